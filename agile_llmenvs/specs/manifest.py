@@ -1,0 +1,173 @@
+"""The run manifest: env + model + training settings + seed, loaded from YAML or JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, model_validator
+
+from agile_llmenvs.errors import ManifestError
+from agile_llmenvs.specs._types import SPEC_CONFIG
+from agile_llmenvs.specs.env import BanditEnvSpec, GymEnvSpec, OfflineEnvSpec, fail
+from agile_llmenvs.specs.llm import LLMEnvSpec
+
+__all__ = [
+    "EnvSpec",
+    "ModelSpec",
+    "RunManifest",
+    "TrainingSpec",
+    "dump_manifest",
+    "load_manifest",
+    "manifest_json_schema",
+]
+
+EnvSpec = Annotated[
+    GymEnvSpec | OfflineEnvSpec | LLMEnvSpec | BanditEnvSpec,
+    Field(discriminator="env_type"),
+]
+"""Any env section, told apart by ``env_type``: gym, offline, rollout, dataset or bandit."""
+
+# Path fields of each section, looked up next to the manifest file before the working dir.
+_PATH_FIELDS: dict[type[BaseModel], tuple[str, ...]] = {
+    GymEnvSpec: ("path", "env_config"),
+    OfflineEnvSpec: ("path", "env_config", "dataset_path"),
+    BanditEnvSpec: ("path", "features", "targets"),
+    LLMEnvSpec: ("dataset_path", "rubric_file_path", "chat_template_path"),
+}
+_ALGORITHM_ENV: dict[str, tuple[str, str | None]] = {
+    "grpo": ("rollout", None),
+    "sft": ("dataset", "sft"),
+    "dpo": ("dataset", "preference"),
+}
+
+
+class ModelSpec(BaseModel):
+    """The policy model: a local checkpoint directory, or the built-in tiny model."""
+
+    model_config = SPEC_CONFIG
+
+    path: str | None = Field(
+        None,
+        min_length=1,
+        description="Local model directory (Hugging Face layout). Unset: the built-in tiny "
+        "model, built offline on first use.",
+    )
+    tokenizer_path: str | None = Field(
+        None, min_length=1, description="Tokenizer directory, if not the model's."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Parameter dtype the model is loaded in."
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Context length prompts are truncated to."
+    )
+
+
+class TrainingSpec(BaseModel):
+    """Settings shared by the training loops; each algorithm adds its own in its module."""
+
+    model_config = SPEC_CONFIG
+
+    algorithm: Literal["grpo", "dpo", "sft"] = Field(
+        description="`grpo` over a rollout env; `sft` / `dpo` over a dataset env."
+    )
+    max_steps: int = Field(100, ge=1, description="Optimizer steps to run.")
+    learning_rate: float = Field(3e-4, gt=0.0, description="AdamW learning rate.")
+    batch_size: int = Field(8, ge=1, description="Prompts (GRPO groups) or rows per step.")
+    group_size: int = Field(8, ge=2, description="Completions per prompt (GRPO).")
+    max_new_tokens: int = Field(16, ge=1, description="Tokens generated per turn (GRPO).")
+    output_dir: str = Field(
+        "runs/latest", min_length=1, description="Where metrics, plots and checkpoints go."
+    )
+
+
+class RunManifest(BaseModel):
+    """One run: the env to build, the model, the training settings and the seed."""
+
+    model_config = SPEC_CONFIG
+
+    name: str | None = Field(None, min_length=1, description="Name of the run.")
+    env: EnvSpec = Field(description="The environment section; `env_type` picks its kind.")
+    multi_agent: bool = Field(
+        False, description="Build a `gym` env as a vectorised PettingZoo parallel env."
+    )
+    model: ModelSpec = Field(default_factory=ModelSpec, description="The policy model.")  # type: ignore[arg-type]
+    training: TrainingSpec | None = Field(
+        None, description="Training settings; unset for a manifest used only to build envs."
+    )
+    seed: int = Field(0, ge=0, description="Seed of every random draw of the run.")
+
+    @model_validator(mode="after")
+    def _check_pairing(self) -> RunManifest:
+        if self.multi_agent and not isinstance(self.env, GymEnvSpec):
+            raise fail("multi_agent", f"PettingZoo envs use env_type 'gym', not "
+                       f"{self.env.env_type!r}")
+        if self.training is None:
+            return self
+        env_type, objective = _ALGORITHM_ENV[self.training.algorithm]
+        actual = (self.env.env_type, getattr(self.env, "objective", None))
+        if actual[0] != env_type or (objective is not None and actual[1] != objective):
+            want = f"env_type {env_type!r}" + (f" with objective {objective!r}" if objective else "")
+            raise fail("training.algorithm", f"{self.training.algorithm!r} trains on an env of "
+                       f"{want}; this env has env_type {actual[0]!r}")
+        return self
+
+
+def load_manifest(path: str | Path) -> RunManifest:
+    """Read a run manifest from a ``.yaml``/``.yml`` or ``.json`` file.
+
+    Relative paths inside the manifest (data files, rubric files, env source files) are looked
+    up next to the manifest first, then in the working directory.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ManifestError: the file is not valid YAML/JSON, or has another extension.
+        pydantic.ValidationError: the content breaks a rule; the error names the field.
+    """
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ManifestError(f"{path}: expected a .yaml, .yml or .json manifest, got {suffix!r}")
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{path}: not valid {suffix[1:].upper()}: {exc}") from exc
+    manifest = RunManifest.model_validate(data)
+    return _resolve_relative_paths(manifest, path.parent)
+
+
+def dump_manifest(manifest: RunManifest, path: str | Path) -> None:
+    """Write ``manifest`` as YAML or JSON (by extension); :func:`load_manifest` reads it back."""
+    path = Path(path)
+    data = manifest.model_dump(mode="json", exclude_unset=True)
+    if path.suffix.lower() == ".json":
+        path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    else:
+        path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+
+
+def manifest_json_schema() -> dict[str, Any]:
+    """The JSON Schema of :class:`RunManifest`, for editor autocompletion of manifests."""
+    schema = RunManifest.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "agile_llmenvs run manifest"
+    return schema
+
+
+def _resolve_relative_paths(manifest: RunManifest, base: Path) -> RunManifest:
+    env = manifest.env
+    updates: dict[str, str] = {}
+    for field in _PATH_FIELDS[type(env)]:
+        value = getattr(env, field)
+        if isinstance(value, str) and not Path(value).is_absolute() and (base / value).exists():
+            updates[field] = str(base / value)
+    if not updates:
+        return manifest
+    return manifest.model_copy(update={"env": env.model_copy(update=updates)})

@@ -1,0 +1,84 @@
+"""The ``agile-llmenvs`` command line: thin commands over the library's layers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from agile_llmenvs.errors import ManifestError
+
+__all__ = ["main"]
+
+
+def _describe(path: Path) -> str:
+    from agile_llmenvs.specs import LLMEnvSpec, load_manifest
+
+    manifest = load_manifest(path)
+    env = manifest.env
+    if isinstance(env, LLMEnvSpec):
+        what = f"{env.env_type} env {env.label!r}"
+        what += f" ({env.objective})" if env.objective else f" from {env.source}"
+    else:
+        name = getattr(env, "env_id", env.name)
+        what = f"{env.env_type} env {name!r} x{env.num_envs}"
+    if manifest.training is not None:
+        what += f", trained with {manifest.training.algorithm}"
+    return what
+
+
+def _validate(args: argparse.Namespace) -> int:
+    status = 0
+    for path in args.files:
+        try:
+            print(f"ok    {path}: {_describe(path)}")
+        except ValidationError as exc:
+            status = 1
+            print(f"error {path}: {exc.error_count()} problem(s)", file=sys.stderr)
+            for error in exc.errors():
+                where = ".".join(str(part) for part in error["loc"]) or "(manifest)"
+                print(f"  {where}: {error['msg']}", file=sys.stderr)
+        except (OSError, ManifestError) as exc:
+            status = 1
+            print(f"error {path}: {exc}", file=sys.stderr)
+    return status
+
+
+def _schema(args: argparse.Namespace) -> int:
+    from agile_llmenvs.specs import manifest_json_schema
+
+    text = json.dumps(manifest_json_schema(), indent=2) + "\n"
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        args.output.write_text(text, encoding="utf-8")
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agile-llmenvs", description="The environment layer of LLM reinforcement learning."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    validate = commands.add_parser("validate", help="check run manifests (YAML or JSON)")
+    validate.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    validate.set_defaults(run=_validate)
+    schema = commands.add_parser("schema", help="print the JSON Schema of run manifests")
+    schema.add_argument("-o", "--output", type=Path, help="write to this file instead")
+    schema.set_defaults(run=_schema)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the process exit status."""
+    args = _parser().parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,23 @@
+"""Shared fixtures: offline Hugging Face settings and the tiny local model, built once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MANIFESTS = REPO_ROOT / "manifests"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package's tiny random model and tokenizer, built offline once per session."""
+    from agile_llmenvs.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model")

@@ -1,0 +1,148 @@
+"""RunManifest, load_manifest / dump_manifest and the JSON Schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from agile_llmenvs.errors import AgileLLMEnvsError, ManifestError
+from agile_llmenvs.specs import (
+    BanditEnvSpec,
+    GymEnvSpec,
+    LLMEnvSpec,
+    OfflineEnvSpec,
+    RunManifest,
+    dump_manifest,
+    load_manifest,
+    manifest_json_schema,
+)
+
+MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
+
+
+def test_env_type_picks_the_spec_class() -> None:
+    kinds = {
+        "gym": ({"name": "CartPole-v1"}, GymEnvSpec),
+        "offline": ({"name": "CartPole-v1", "dataset_path": "d.npz"}, OfflineEnvSpec),
+        "bandit": ({}, BanditEnvSpec),
+        "rollout": ({"entrypoint": "a:B"}, LLMEnvSpec),
+        "dataset": ({"objective": "sft", "dataset_path": "d.jsonl"}, LLMEnvSpec),
+    }
+    for env_type, (fields, cls) in kinds.items():
+        manifest = RunManifest.model_validate({"env": {"env_type": env_type, **fields}})
+        assert type(manifest.env) is cls
+
+
+def test_missing_or_unknown_env_type_names_the_discriminator() -> None:
+    with pytest.raises(ValidationError, match="Unable to extract tag using discriminator "
+                       "'env_type'"):
+        RunManifest.model_validate({"env": {"name": "CartPole-v1"}})
+    with pytest.raises(ValidationError, match="env_type"):
+        RunManifest.model_validate({"env": {"env_type": "atari", "name": "x"}})
+
+
+def test_manifest_defaults() -> None:
+    manifest = RunManifest.model_validate({"env": {"env_type": "gym", "name": "CartPole-v1"}})
+    assert manifest.seed == 0
+    assert manifest.training is None
+    assert manifest.multi_agent is False
+    assert manifest.model.path is None
+    assert manifest.model.dtype == "float32"
+
+
+@pytest.mark.parametrize(
+    ("env", "algorithm", "message"),
+    [
+        ({"env_type": "gym", "name": "CartPole-v1"}, "grpo", "'grpo' trains on an env of "
+         "env_type 'rollout'; this env has env_type 'gym'"),
+        ({"env_type": "rollout", "entrypoint": "a:B"}, "sft", "'sft' trains on an env of "
+         "env_type 'dataset' with objective 'sft'"),
+        ({"env_type": "dataset", "objective": "sft", "dataset_path": "d.jsonl"}, "dpo",
+         "'dpo' trains on an env of env_type 'dataset' with objective 'preference'"),
+    ],
+)
+def test_algorithm_must_match_the_env(env: dict[str, str], algorithm: str, message: str) -> None:
+    with pytest.raises(ValidationError, match="training.algorithm: ") as exc:
+        RunManifest.model_validate({"env": env, "training": {"algorithm": algorithm}})
+    assert message in str(exc.value)
+
+
+def test_multi_agent_needs_a_gym_env() -> None:
+    with pytest.raises(ValidationError, match="multi_agent: PettingZoo envs use env_type 'gym', "
+                       "not 'bandit'"):
+        RunManifest.model_validate({"env": {"env_type": "bandit"}, "multi_agent": True})
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".yml", ".json"])
+def test_dump_then_load_is_identity(tmp_path: Path, suffix: str) -> None:
+    manifest = RunManifest.model_validate(
+        {
+            "name": "run",
+            "env": {"env_type": "rollout", "env_url": ["ws://a:1"], "max_turns": 3},
+            "training": {"algorithm": "grpo", "group_size": 4},
+            "seed": 7,
+        }
+    )
+    path = tmp_path / f"m{suffix}"
+    dump_manifest(manifest, path)
+    assert load_manifest(path) == manifest
+
+
+def test_relative_paths_resolve_next_to_the_manifest(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "f.csv").write_text("a\n1\n")
+    path = tmp_path / "m.yaml"
+    path.write_text("env: {env_type: bandit, features: data/f.csv, targets: missing.csv}\n")
+    env = load_manifest(path).env
+    assert isinstance(env, BanditEnvSpec)
+    assert env.features == str(tmp_path / "data" / "f.csv")
+    assert env.targets == "missing.csv"  # not next to the manifest: left for the working dir
+
+
+def test_load_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_manifest(tmp_path / "absent.yaml")
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("env: [unclosed\n")
+    with pytest.raises(ManifestError, match="bad.yaml: not valid YAML"):
+        load_manifest(bad_yaml)
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{")
+    with pytest.raises(ManifestError, match="bad.json: not valid JSON"):
+        load_manifest(bad_json)
+    toml = tmp_path / "m.toml"
+    toml.write_text("")
+    with pytest.raises(ManifestError, match=r"expected a .yaml, .yml or .json manifest, got "
+                       r"'.toml'"):
+        load_manifest(toml)
+    assert issubclass(ManifestError, AgileLLMEnvsError)
+    not_a_mapping = tmp_path / "list.yaml"
+    not_a_mapping.write_text("- 1\n- 2\n")
+    with pytest.raises(ValidationError, match="valid dictionary"):
+        load_manifest(not_a_mapping)
+
+
+def test_schema_covers_every_env_type() -> None:
+    schema = manifest_json_schema()
+    json.dumps(schema)  # serialisable
+    assert schema["title"] == "agile_llmenvs run manifest"
+    definitions = schema["$defs"]
+    assert {"GymEnvSpec", "OfflineEnvSpec", "LLMEnvSpec", "BanditEnvSpec", "EnvServiceSpec"} <= (
+        set(definitions)
+    )
+    assert definitions["LLMEnvSpec"]["additionalProperties"] is False
+    assert definitions["GymEnvSpec"]["properties"]["num_envs"]["minimum"] == 1
+    env_mapping = schema["properties"]["env"]["discriminator"]["mapping"]
+    assert set(env_mapping) == {"gym", "offline", "rollout", "dataset", "bandit"}
+
+
+def test_every_spec_field_is_described() -> None:
+    from agile_llmenvs.specs import EnvServiceSpec, ModelSpec, TrainingSpec
+
+    for cls in (GymEnvSpec, OfflineEnvSpec, LLMEnvSpec, BanditEnvSpec, EnvServiceSpec,
+                RunManifest, ModelSpec, TrainingSpec):
+        missing = [name for name, field in cls.model_fields.items() if not field.description]
+        assert missing == [], f"{cls.__name__} fields without a description: {missing}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import gymnasium as gym
@@ -137,6 +138,8 @@ def _cast_observations(env: gym.Env[Any, Any], default_type: str) -> gym.Env[Any
     space = env.observation_space
     dtype = np.dtype(default_type)
     is_float_box = isinstance(space, gym.spaces.Box) and np.issubdtype(space.dtype, np.floating)
-    if is_float_box and np.issubdtype(dtype, np.floating) and space.dtype != dtype:
-        return gym.wrappers.DtypeObservation(env, dtype)
-    return env
+    if not (is_float_box and np.issubdtype(dtype, np.floating) and space.dtype != dtype):
+        return env
+    assert isinstance(space, gym.spaces.Box)
+    cast_space = gym.spaces.Box(space.low.astype(dtype), space.high.astype(dtype), dtype=dtype)
+    return gym.wrappers.TransformObservation(env, partial(np.asarray, dtype=dtype), cast_space)

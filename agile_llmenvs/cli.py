@@ -28,7 +28,7 @@ def _describe(path: Path) -> str:
         what = f"{env.env_type} env {name!r} x{env.num_envs}"
     if manifest.training is not None:
         what += f", trained with {manifest.training.algorithm}"
-    return what
+    return f"run {manifest.name!r}: {what}" if manifest.name else what
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -30,5 +30,14 @@ def test_one_example_per_env_type() -> None:
             kinds.add(f"rollout:{env.source}")
         if manifest.multi_agent:
             kinds.add("pettingzoo")
-    assert {"gym", "offline", "bandit", "rollout", "dataset", "pettingzoo", "rollout:dataset",
-            "rollout:entrypoint", "rollout:env_url"} <= kinds
+    assert {
+        "gym",
+        "offline",
+        "bandit",
+        "rollout",
+        "dataset",
+        "pettingzoo",
+        "rollout:dataset",
+        "rollout:entrypoint",
+        "rollout:env_url",
+    } <= kinds

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import gymnasium as gym
 import numpy as np
@@ -16,7 +16,7 @@ from agile_llmenvs.specs import BanditEnvSpec
 
 __all__ = ["BanditEnv", "BanditEnvProtocol", "make_bandit_env", "read_table"]
 
-Table = pd.DataFrame | pd.Series | str | Path
+Table: TypeAlias = pd.DataFrame | pd.Series | str | Path
 
 
 @runtime_checkable
@@ -45,7 +45,7 @@ class BanditEnv(gym.Env[np.ndarray, np.int64]):
         targets: The class of each row (one column); classes are sorted into arm indices.
     """
 
-    metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012
+    metadata: dict[str, Any] = {"render_modes": []}
 
     def __init__(self, features: pd.DataFrame, targets: pd.Series) -> None:
         if len(features) != len(targets):
@@ -156,4 +156,4 @@ def make_bandit_env(
     env: Any = build() if spec.num_envs == 1 else SyncVectorEnv([build] * spec.num_envs)
     if seed is not None:
         env.reset(seed=seed)
-    return env  # type: ignore[no-any-return]
+    return env

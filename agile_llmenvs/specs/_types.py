@@ -28,8 +28,7 @@ def _check_module_attr(value: str) -> str:
 def _check_object_path(value: str) -> str:
     if not (_MODULE_ATTR.match(value) or _DOTTED.match(value)):
         raise ValueError(
-            "expected an import path 'package.module:attr' or 'package.module.attr', "
-            f"got {value!r}"
+            f"expected an import path 'package.module:attr' or 'package.module.attr', got {value!r}"
         )
     return value
 

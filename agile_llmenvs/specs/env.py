@@ -79,7 +79,8 @@ class GymEnvSpec(BaseModel):
         "`[import_path, {kwargs}]`.",
     )
     sync: bool = Field(
-        False, description="Step the copies in this process (SyncVectorEnv) instead of subprocesses."
+        False,
+        description="Step the copies in this process (SyncVectorEnv) instead of subprocesses.",
     )
 
     @field_validator("default_type")
@@ -88,7 +89,9 @@ class GymEnvSpec(BaseModel):
         try:
             dtype = np.dtype(value)
         except TypeError:
-            raise ValueError(f"expected a numpy dtype name such as 'float32', got {value!r}") from None
+            raise ValueError(
+                f"expected a numpy dtype name such as 'float32', got {value!r}"
+            ) from None
         return dtype.name
 
     @model_validator(mode="after")

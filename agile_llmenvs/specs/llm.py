@@ -203,8 +203,10 @@ class LLMEnvSpec(BaseModel):
         if not rows:
             for field in _ROW_SHAPING_FIELDS:
                 if getattr(self, field) is not None:
-                    raise fail(field, "shapes dataset rows; set `dataset_path` (or `dataset`, "
-                               "`hf_dataset_id`)")
+                    raise fail(
+                        field,
+                        "shapes dataset rows; set `dataset_path` (or `dataset`, `hf_dataset_id`)",
+                    )
         if self.env_type == "dataset":
             self._check_dataset_env(rows)
         else:
@@ -216,26 +218,38 @@ class LLMEnvSpec(BaseModel):
         if self.objective is None:
             raise fail("objective", "a dataset env needs an objective: 'sft' or 'preference'")
         if not rows:
-            raise fail("dataset_path", "a dataset env needs rows: set `dataset_path`, "
-                       "`dataset` or `hf_dataset_id`")
+            raise fail(
+                "dataset_path",
+                "a dataset env needs rows: set `dataset_path`, `dataset` or `hf_dataset_id`",
+            )
         for field in ("entrypoint", "env_url", "env_image", *_RUBRIC_FIELDS):
             if getattr(self, field) is not None:
-                raise fail(field, "belongs to rollout envs; a dataset env is teacher-forced "
-                           "over its rows (use env_type: rollout)")
+                raise fail(
+                    field,
+                    "belongs to rollout envs; a dataset env is teacher-forced "
+                    "over its rows (use env_type: rollout)",
+                )
 
     def _check_rollout_env(self, rows: list[str]) -> None:
         if self.objective is not None:
-            raise fail("objective", "belongs to dataset envs only (env_type: dataset); a "
-                       "rollout env is scored by its rewards")
+            raise fail(
+                "objective",
+                "belongs to dataset envs only (env_type: dataset); a "
+                "rollout env is scored by its rewards",
+            )
         if rows and self.rubric_file_path is None:
-            raise fail("rubric_file_path", "a rollout env over dataset rows needs a rubric "
-                       "to score completions")
+            raise fail(
+                "rubric_file_path",
+                "a rollout env over dataset rows needs a rubric to score completions",
+            )
         for field in _RUBRIC_FIELDS:
             if getattr(self, field) is not None and self.rubric_file_path is None:
                 raise fail(field, "needs `rubric_file_path`")
         if self.rubric_file_path is not None and not rows:
-            raise fail("rubric_file_path", "a rubric scores dataset rows; set `dataset_path` "
-                       "(or `dataset`, `hf_dataset_id`)")
+            raise fail(
+                "rubric_file_path",
+                "a rubric scores dataset rows; set `dataset_path` (or `dataset`, `hf_dataset_id`)",
+            )
         sources = self._sources(rows)
         if len(sources) != 1:
             named = ", ".join(sources) if sources else "none"
@@ -251,18 +265,23 @@ class LLMEnvSpec(BaseModel):
             found.append("dataset")
         for field in ("entrypoint", "env_url", "env_image"):
             if getattr(self, field) is not None:
-                found.append(field)  # type: ignore[arg-type]
+                found.append(field)
         return found
 
     def _check_hosting(self) -> None:
         hosted = [f for f in HOSTING_FIELDS if f in self.model_fields_set and getattr(self, f)]
         if hosted and self.entrypoint is None and self.env_image is None:
-            raise fail(hosted[0], "hosting fields place an `entrypoint` env on Ray env hosts "
-                       "(or configure an `env_image`); set `entrypoint`")
+            raise fail(
+                hosted[0],
+                "hosting fields place an `entrypoint` env on Ray env hosts "
+                "(or configure an `env_image`); set `entrypoint`",
+            )
         low, high = self.env_host_memory_bytes, self.env_host_memory_limit_bytes
         if low is not None and high is not None and high < low:
-            raise fail("env_host_memory_limit_bytes",
-                       f"the limit ({high}) is below the reservation env_host_memory_bytes ({low})")
+            raise fail(
+                "env_host_memory_limit_bytes",
+                f"the limit ({high}) is below the reservation env_host_memory_bytes ({low})",
+            )
 
     @property
     def dataset_backed_rollout(self) -> bool:

@@ -94,7 +94,7 @@ class RunManifest(BaseModel):
     multi_agent: bool = Field(
         False, description="Build a `gym` env as a vectorised PettingZoo parallel env."
     )
-    model: ModelSpec = Field(default_factory=ModelSpec, description="The policy model.")  # type: ignore[arg-type]
+    model: ModelSpec = Field(default_factory=ModelSpec, description="The policy model.")
     training: TrainingSpec | None = Field(
         None, description="Training settings; unset for a manifest used only to build envs."
     )
@@ -103,16 +103,22 @@ class RunManifest(BaseModel):
     @model_validator(mode="after")
     def _check_pairing(self) -> RunManifest:
         if self.multi_agent and not isinstance(self.env, GymEnvSpec):
-            raise fail("multi_agent", f"PettingZoo envs use env_type 'gym', not "
-                       f"{self.env.env_type!r}")
+            raise fail(
+                "multi_agent", f"PettingZoo envs use env_type 'gym', not {self.env.env_type!r}"
+            )
         if self.training is None:
             return self
         env_type, objective = _ALGORITHM_ENV[self.training.algorithm]
         actual = (self.env.env_type, getattr(self.env, "objective", None))
         if actual[0] != env_type or (objective is not None and actual[1] != objective):
-            want = f"env_type {env_type!r}" + (f" with objective {objective!r}" if objective else "")
-            raise fail("training.algorithm", f"{self.training.algorithm!r} trains on an env of "
-                       f"{want}; this env has env_type {actual[0]!r}")
+            want = f"env_type {env_type!r}" + (
+                f" with objective {objective!r}" if objective else ""
+            )
+            raise fail(
+                "training.algorithm",
+                f"{self.training.algorithm!r} trains on an env of "
+                f"{want}; this env has env_type {actual[0]!r}",
+            )
         return self
 
 

@@ -60,7 +60,8 @@ def test_cartpole_vector_env(sync: bool, cls: type) -> None:
             np.testing.assert_array_equal(obs[index], expected)
         obs, rewards, terminated, truncated, _ = env.step(np.ones(4, dtype=np.int64))
         assert rewards.tolist() == [1.0, 1.0, 1.0, 1.0]
-        assert terminated.dtype == np.bool_ and truncated.shape == (4,)
+        assert terminated.dtype == np.bool_
+        assert truncated.shape == (4,)
     finally:
         env.close()
 
@@ -81,10 +82,14 @@ def test_sync_and_async_give_the_same_trajectory() -> None:
 
 def test_custom_entrypoint_with_wrappers_from_a_file() -> None:
     manifest = load_manifest(MANIFESTS / "custom_gym.yaml")
-    spec = manifest.env.model_copy(update={
-        "env_wrappers": [*manifest.env.env_wrappers,  # type: ignore[union-attr]
-                         (f"{__name__}:AddStepCount", {"scale": 2.0})],
-    })
+    spec = manifest.env.model_copy(
+        update={
+            "env_wrappers": [
+                *manifest.env.env_wrappers,  # type: ignore[union-attr]
+                (f"{__name__}:AddStepCount", {"scale": 2.0}),
+            ],
+        }
+    )
     env = make_env(spec)
     try:
         assert isinstance(env, SyncVectorEnv)
@@ -94,7 +99,7 @@ def test_custom_entrypoint_with_wrappers_from_a_file() -> None:
         np.testing.assert_array_equal(obs, np.zeros((2, 1), dtype=np.float32))
         rewards = []
         for _ in range(5):  # corridor of length 6: five steps right reach the end
-            obs, reward, terminated, truncated, info = env.step(np.ones(2, dtype=np.int64))
+            obs, reward, terminated, _, info = env.step(np.ones(2, dtype=np.int64))
             rewards.append(reward.tolist())
         assert rewards == [[0.0, 0.0]] * 4 + [[2.0, 2.0]]
         assert terminated.tolist() == [True, True]
@@ -127,15 +132,18 @@ def test_extra_and_call_time_wrappers_apply_after_the_spec_wrappers() -> None:
         extra_wrappers=[gym.wrappers.RecordEpisodeStatistics],
     )
     env.reset(seed=0)
-    _, rewards, *_ , info = env.step(np.zeros(2, dtype=np.int64))
+    _, rewards, *_, info = env.step(np.zeros(2, dtype=np.int64))
     assert rewards.tolist() == [3.0, 3.0]
     assert info["count"].tolist() == [1, 1]
     env.close()
 
 
 def test_factory_receives_the_env_id() -> None:
-    env = make_single_env(GymEnvSpec(name="CartPole-v1", factory="gymnasium:make",
-                                     env_config={"max_episode_steps": 7}))
+    env = make_single_env(
+        GymEnvSpec(
+            name="CartPole-v1", factory="gymnasium:make", env_config={"max_episode_steps": 7}
+        )
+    )
     env.reset(seed=0)
     steps = 0
     truncated = terminated = False
@@ -151,14 +159,19 @@ def test_build_errors_are_clear() -> None:
         make_single_env(GymEnvSpec(name="NoSuchEnv-v0"))
     with pytest.raises(ImportPathError, match="cannot import module 'no_such_module'"):
         make_single_env(GymEnvSpec(name="x", entrypoint="no_such_module:Env"))
-    with pytest.raises(ImportPathError, match=r"has no attribute 'CartPol'\. Did you mean "
-                       r"'CartPoleEnv'\?"):
-        make_single_env(GymEnvSpec(
-            name="x", entrypoint="gymnasium.envs.classic_control.cartpole:CartPol"))
+    with pytest.raises(
+        ImportPathError,
+        match=r"has no attribute 'CartPol'\. Did you mean "
+        r"'CartPoleEnv'\?",
+    ):
+        make_single_env(
+            GymEnvSpec(name="x", entrypoint="gymnasium.envs.classic_control.cartpole:CartPol")
+        )
     with pytest.raises(EnvBuildError, match=r"env_wrappers: 'AddStepCount' failed: TypeError"):
-        make_single_env(GymEnvSpec(
-            name="CartPole-v1", env_wrappers=[(f"{__name__}:AddStepCount", {"bad": 1})]))
-    with pytest.raises(EnvBuildError, match="env_config: cannot read 'missing.yaml'"):
+        make_single_env(
+            GymEnvSpec(name="CartPole-v1", env_wrappers=[(f"{__name__}:AddStepCount", {"bad": 1})])
+        )
+    with pytest.raises(EnvBuildError, match=r"env_config: cannot read 'missing\.yaml'"):
         make_single_env(GymEnvSpec(name="CartPole-v1", env_config="missing.yaml"))
 
 
@@ -189,8 +202,10 @@ def test_bandit_from_csv_manifest() -> None:
     assert env.observation_space.shape == (3, 18)
     context, info = env.reset(seed=3)
     row = info["row"]
-    encoded = np.array([*features.iloc[row, :4], features.colour[row] == "blue",
-                        features.colour[row] == "red"], dtype=np.float32)
+    encoded = np.array(
+        [*features.iloc[row, :4], features.colour[row] == "blue", features.colour[row] == "red"],
+        dtype=np.float32,
+    )
     for arm in range(3):
         np.testing.assert_array_equal(context[arm, arm * 6 : arm * 6 + 6], encoded)
         assert np.count_nonzero(np.delete(context[arm], range(arm * 6, arm * 6 + 6))) == 0
@@ -214,14 +229,18 @@ def test_bandit_from_in_memory_tables_and_vectorised() -> None:
     with pytest.raises(EnvBuildError, match="bandit tables disagree: 3 feature rows, 2 targets"):
         make_bandit_env(BanditEnvSpec(), features=features, targets=targets[:2])
     with pytest.raises(EnvBuildError, match="targets: expected one column of classes, got 2"):
-        make_bandit_env(BanditEnvSpec(), features=features,
-                        targets=pd.DataFrame({"a": [1, 0, 1], "b": [0, 0, 0]}))
-    with pytest.raises(EnvBuildError, match="features: expected a .csv, .jsonl, .json or "
-                       ".parquet file"):
+        make_bandit_env(
+            BanditEnvSpec(),
+            features=features,
+            targets=pd.DataFrame({"a": [1, 0, 1], "b": [0, 0, 0]}),
+        )
+    with pytest.raises(
+        EnvBuildError, match=r"features: expected a \.csv, \.jsonl, \.json or \.parquet file"
+    ):
         make_bandit_env(BanditEnvSpec(features="f.xlsx", targets="t.csv"))
-    with pytest.raises(ValueError, match=r"action must be an arm in 0..1, got 5"):
-        single = make_bandit_env(BanditEnvSpec(), features=features, targets=targets)
-        single.reset(seed=0)
+    single = make_bandit_env(BanditEnvSpec(), features=features, targets=targets)
+    single.reset(seed=0)
+    with pytest.raises(ValueError, match=r"action must be an arm in 0\.\.1, got 5"):
         single.step(5)
 
 
@@ -232,8 +251,9 @@ def test_offline_env_from_a_shipped_npz() -> None:
         assert len(offline) == 256
         assert offline.dataset["observations"].shape == (256, 4)
         assert offline.dataset["terminals"].dtype == np.bool_
-        np.testing.assert_array_equal(offline.dataset["observations"][1:5],
-                                      offline.dataset["next_observations"][0:4])
+        np.testing.assert_array_equal(
+            offline.dataset["observations"][1:5], offline.dataset["next_observations"][0:4]
+        )
         obs, _ = offline.env.reset(seed=0)
         assert obs.shape == (2, 4)
     finally:
@@ -243,13 +263,19 @@ def test_offline_env_from_a_shipped_npz() -> None:
 def test_offline_dataset_errors(tmp_path: Path) -> None:
     path = tmp_path / "d.npz"
     np.savez(path, observations=np.zeros((3, 4)), actions=np.zeros(3))
-    with pytest.raises(EnvBuildError, match=r"lacks the arrays \['rewards', "
-                       r"'next_observations', 'terminals'\]"):
+    with pytest.raises(
+        EnvBuildError,
+        match=r"lacks the arrays \['rewards', "
+        r"'next_observations', 'terminals'\]",
+    ):
         make_env(OfflineEnvSpec(name="CartPole-v1", dataset_path=str(path)))
     arrays = {k: np.zeros((3, 2)) for k in ("observations", "next_observations")}
     np.savez(path, **arrays, actions=np.zeros(3), rewards=np.zeros(3), terminals=np.zeros(3))
-    with pytest.raises(EnvBuildError, match=r"observations have shape \(2,\) per row but env "
-                       r"'CartPole-v1' observes \(4,\)"):
+    with pytest.raises(
+        EnvBuildError,
+        match=r"observations have shape \(2,\) per row but env "
+        r"'CartPole-v1' observes \(4,\)",
+    ):
         make_env(OfflineEnvSpec(name="CartPole-v1", dataset_path=str(path), sync=True))
     np.savez(path, **arrays, actions=np.zeros(2), rewards=np.zeros(3), terminals=np.zeros(3))
     with pytest.raises(EnvBuildError, match="arrays of different lengths"):
@@ -257,6 +283,9 @@ def test_offline_dataset_errors(tmp_path: Path) -> None:
 
 
 def test_llm_specs_point_to_their_builders() -> None:
-    with pytest.raises(AgileLLMEnvsError, match="is a rollout env: each trajectory gets its own "
-                       "env, so build a factory with make_rollout_env_factory"):
+    with pytest.raises(
+        AgileLLMEnvsError,
+        match="is a rollout env: each trajectory gets its own "
+        "env, so build a factory with make_rollout_env_factory",
+    ):
         make_env(LLMEnvSpec(env_type="rollout", entrypoint="a:B"))

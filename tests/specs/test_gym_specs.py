@@ -108,7 +108,7 @@ def test_env_service_rules() -> None:
     assert service.env_vars == {}
     with pytest.raises(ValidationError, match="command: a service needs a `command`"):
         EnvServiceSpec(name="db")
-    with pytest.raises(ValidationError, match="expected a TCP port in 1..65535, got 70000"):
+    with pytest.raises(ValidationError, match=r"expected a TCP port in 1\.\.65535, got 70000"):
         EnvServiceSpec(name="db", image="redis", port=70000)
     with pytest.raises(ValidationError, match="name"):
         EnvServiceSpec(name="Bad_Name", image="redis")

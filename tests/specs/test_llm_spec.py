@@ -59,8 +59,11 @@ def test_each_single_source_is_a_valid_rollout(fields: dict[str, Any], source: s
 
 
 def test_a_rollout_needs_a_source() -> None:
-    with pytest.raises(ValidationError, match=r"entrypoint: a rollout env needs exactly one "
-                       r"source.*\(given: none\)"):
+    with pytest.raises(
+        ValidationError,
+        match=r"entrypoint: a rollout env needs exactly one "
+        r"source.*\(given: none\)",
+    ):
         rollout()
 
 
@@ -91,8 +94,10 @@ def test_rows_need_a_rubric_in_a_rollout_and_a_rubric_needs_rows() -> None:
 
 
 def test_only_one_row_source() -> None:
-    with pytest.raises(ValidationError, match="hf_dataset_id: give one row source, not "
-                       "dataset_path and hf_dataset_id"):
+    with pytest.raises(
+        ValidationError,
+        match="hf_dataset_id: give one row source, not dataset_path and hf_dataset_id",
+    ):
         rollout(**ROWS, hf_dataset_id="org/set")
 
 
@@ -131,11 +136,15 @@ def test_factory_needs_an_entrypoint() -> None:
         rollout(env_url="ws://h:1", factory="gem:make")
 
 
-@pytest.mark.parametrize("field", ["columns", "prompt_template", "train_test_split",
-                                   "response_column"])
+@pytest.mark.parametrize(
+    "field", ["columns", "prompt_template", "train_test_split", "response_column"]
+)
 def test_row_shaping_fields_need_rows(field: str) -> None:
-    value = {"columns": {"q": "question"}, "prompt_template": {"user": "{q}"},
-             "train_test_split": 0.1}.get(field, "response")
+    value = {
+        "columns": {"q": "question"},
+        "prompt_template": {"user": "{q}"},
+        "train_test_split": 0.1,
+    }.get(field, "response")
     with pytest.raises(ValidationError, match=f"{field}: shapes dataset rows"):
         rollout(entrypoint="a:B", **{field: value})
 
@@ -177,8 +186,11 @@ def test_hosted_spec_with_all_fields_round_trips() -> None:
 
 
 def test_memory_limit_is_not_below_the_reservation() -> None:
-    with pytest.raises(ValidationError, match=r"env_host_memory_limit_bytes: the limit \(10\) is "
-                       r"below the reservation env_host_memory_bytes \(20\)"):
+    with pytest.raises(
+        ValidationError,
+        match=r"env_host_memory_limit_bytes: the limit \(10\) is "
+        r"below the reservation env_host_memory_bytes \(20\)",
+    ):
         rollout(entrypoint="a:B", env_host_memory_bytes=20, env_host_memory_limit_bytes=10)
 
 

@@ -37,8 +37,9 @@ def test_env_type_picks_the_spec_class() -> None:
 
 
 def test_missing_or_unknown_env_type_names_the_discriminator() -> None:
-    with pytest.raises(ValidationError, match="Unable to extract tag using discriminator "
-                       "'env_type'"):
+    with pytest.raises(
+        ValidationError, match="Unable to extract tag using discriminator 'env_type'"
+    ):
         RunManifest.model_validate({"env": {"name": "CartPole-v1"}})
     with pytest.raises(ValidationError, match="env_type"):
         RunManifest.model_validate({"env": {"env_type": "atari", "name": "x"}})
@@ -56,23 +57,33 @@ def test_manifest_defaults() -> None:
 @pytest.mark.parametrize(
     ("env", "algorithm", "message"),
     [
-        ({"env_type": "gym", "name": "CartPole-v1"}, "grpo", "'grpo' trains on an env of "
-         "env_type 'rollout'; this env has env_type 'gym'"),
-        ({"env_type": "rollout", "entrypoint": "a:B"}, "sft", "'sft' trains on an env of "
-         "env_type 'dataset' with objective 'sft'"),
-        ({"env_type": "dataset", "objective": "sft", "dataset_path": "d.jsonl"}, "dpo",
-         "'dpo' trains on an env of env_type 'dataset' with objective 'preference'"),
+        (
+            {"env_type": "gym", "name": "CartPole-v1"},
+            "grpo",
+            "'grpo' trains on an env of env_type 'rollout'; this env has env_type 'gym'",
+        ),
+        (
+            {"env_type": "rollout", "entrypoint": "a:B"},
+            "sft",
+            "'sft' trains on an env of env_type 'dataset' with objective 'sft'",
+        ),
+        (
+            {"env_type": "dataset", "objective": "sft", "dataset_path": "d.jsonl"},
+            "dpo",
+            "'dpo' trains on an env of env_type 'dataset' with objective 'preference'",
+        ),
     ],
 )
 def test_algorithm_must_match_the_env(env: dict[str, str], algorithm: str, message: str) -> None:
-    with pytest.raises(ValidationError, match="training.algorithm: ") as exc:
+    with pytest.raises(ValidationError, match=r"training\.algorithm: ") as exc:
         RunManifest.model_validate({"env": env, "training": {"algorithm": algorithm}})
     assert message in str(exc.value)
 
 
 def test_multi_agent_needs_a_gym_env() -> None:
-    with pytest.raises(ValidationError, match="multi_agent: PettingZoo envs use env_type 'gym', "
-                       "not 'bandit'"):
+    with pytest.raises(
+        ValidationError, match="multi_agent: PettingZoo envs use env_type 'gym', not 'bandit'"
+    ):
         RunManifest.model_validate({"env": {"env_type": "bandit"}, "multi_agent": True})
 
 
@@ -107,16 +118,19 @@ def test_load_errors(tmp_path: Path) -> None:
         load_manifest(tmp_path / "absent.yaml")
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("env: [unclosed\n")
-    with pytest.raises(ManifestError, match="bad.yaml: not valid YAML"):
+    with pytest.raises(ManifestError, match=r"bad\.yaml: not valid YAML"):
         load_manifest(bad_yaml)
     bad_json = tmp_path / "bad.json"
     bad_json.write_text("{")
-    with pytest.raises(ManifestError, match="bad.json: not valid JSON"):
+    with pytest.raises(ManifestError, match=r"bad\.json: not valid JSON"):
         load_manifest(bad_json)
     toml = tmp_path / "m.toml"
     toml.write_text("")
-    with pytest.raises(ManifestError, match=r"expected a .yaml, .yml or .json manifest, got "
-                       r"'.toml'"):
+    with pytest.raises(
+        ManifestError,
+        match=r"expected a .yaml, .yml or .json manifest, got "
+        r"'.toml'",
+    ):
         load_manifest(toml)
     assert issubclass(ManifestError, AgileLLMEnvsError)
     not_a_mapping = tmp_path / "list.yaml"
@@ -142,7 +156,15 @@ def test_schema_covers_every_env_type() -> None:
 def test_every_spec_field_is_described() -> None:
     from agile_llmenvs.specs import EnvServiceSpec, ModelSpec, TrainingSpec
 
-    for cls in (GymEnvSpec, OfflineEnvSpec, LLMEnvSpec, BanditEnvSpec, EnvServiceSpec,
-                RunManifest, ModelSpec, TrainingSpec):
+    for cls in (
+        GymEnvSpec,
+        OfflineEnvSpec,
+        LLMEnvSpec,
+        BanditEnvSpec,
+        EnvServiceSpec,
+        RunManifest,
+        ModelSpec,
+        TrainingSpec,
+    ):
         missing = [name for name, field in cls.model_fields.items() if not field.description]
         assert missing == [], f"{cls.__name__} fields without a description: {missing}"

@@ -19,7 +19,7 @@ class RendezvousEnv(ParallelEnv[str, np.ndarray, int]):
     the episode is truncated after ``max_steps`` steps.
     """
 
-    metadata: dict[str, Any] = {"name": "rendezvous_v0", "render_modes": []}  # noqa: RUF012
+    metadata: dict[str, Any] = {"name": "rendezvous_v0", "render_modes": []}
 
     def __init__(self, size: int = 5, max_steps: int = 10) -> None:
         if size < 2:

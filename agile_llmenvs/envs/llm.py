@@ -20,8 +20,7 @@ def make_llm_env(spec: LLMEnvSpec, tokenizer: Any, **kwargs: Any) -> Any:
 def make_rollout_env_factory(spec: LLMEnvSpec, tokenizer: Any, **kwargs: Any) -> Any:
     """Build the ``RolloutHarness`` factory of a rollout spec (not available yet)."""
     raise NotImplementedError(
-        f"make_rollout_env_factory({spec.label!r}): rollout envs are not built by this "
-        "version yet"
+        f"make_rollout_env_factory({spec.label!r}): rollout envs are not built by this version yet"
     )
 
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 __all__ = [
     "AgileLLMEnvsError",
+    "EnvAuthError",
     "EnvBuildError",
+    "EnvCapacityError",
+    "EnvConnectionError",
+    "EnvError",
+    "EnvExecutionError",
+    "EnvFactoryError",
+    "EnvProtocolError",
+    "EnvTimeoutError",
     "ImportPathError",
     "ManifestError",
     "OptionalDependencyError",
@@ -38,6 +46,69 @@ class OptionalDependencyError(AgileLLMEnvsError, ImportError):
     def __init__(self, package: str, *, extra: str | None = None, feature: str = "") -> None:
         hint = f'pip install "agile-llmenvs[{extra}]"' if extra else f"pip install {package}"
         what = f" for {feature}" if feature else ""
-        super().__init__(f"The package {package!r} is needed{what} but is not installed; run: {hint}")
+        super().__init__(
+            f"The package {package!r} is needed{what} but is not installed; run: {hint}"
+        )
         self.package = package
         self.extra = extra
+
+
+# --- env transport: server error codes map to these types on the client ------------------
+
+
+class EnvError(AgileLLMEnvsError, RuntimeError):
+    """An env call failed; ``code`` is the wire error code when the server sent one."""
+
+    code: str = "EXECUTION_ERROR"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class EnvExecutionError(EnvError):
+    """The env raised while handling reset/step/state; the session stays usable."""
+
+    code = "EXECUTION_ERROR"
+
+
+class EnvProtocolError(EnvError):
+    """A message broke the wire protocol (bad JSON, unknown type, invalid fields, too big)."""
+
+    code = "VALIDATION_ERROR"
+
+
+class EnvCapacityError(EnvError):
+    """The server already serves its ``max_concurrent_envs`` sessions."""
+
+    code = "CAPACITY_REACHED"
+
+
+class EnvFactoryError(EnvError):
+    """The server could not build an env for the session."""
+
+    code = "FACTORY_ERROR"
+
+
+class EnvAuthError(EnvError):
+    """The server refused the session: missing or wrong token."""
+
+    code = "UNAUTHORIZED"
+
+
+class EnvConnectionError(EnvError):
+    """The session's connection failed or was lost; the episode it carried is over.
+
+    A lost session is never silently replaced by a fresh env mid-episode: the next ``reset``
+    reconnects.
+    """
+
+    code = "CONNECTION_LOST"
+
+
+class EnvTimeoutError(EnvConnectionError, TimeoutError):
+    """A reply did not arrive within the client's timeout; the session was dropped so a late
+    reply can never answer a later call."""
+
+    code = "TIMEOUT"

@@ -1,0 +1,72 @@
+"""OpenEnv's typed env ABC and wire types, imported without its eager web UI.
+
+``import openenv.core`` runs package ``__init__`` files that import gradio: about 4-6 s per
+process on these machines, paid again by every env host, worker and CLI call. The modules we
+need (``interfaces``, ``types``, ``mcp_types``, ``serialization``) import nothing heavy, so we
+load them under stand-in parent packages and then remove the stand-ins. A later
+``import openenv.core`` runs the real ``__init__`` files, which find these very modules in
+``sys.modules``: the classes stay identical objects, so ``create_app`` and OpenEnv's clients
+accept ours.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "Action",
+    "CallToolAction",
+    "CallToolObservation",
+    "Environment",
+    "EnvironmentMetadata",
+    "ListToolsAction",
+    "Observation",
+    "State",
+    "deserialize_action",
+]
+
+_PARENTS = ("openenv.core", "openenv.core.env_server")
+
+
+def _load(name: str) -> Any:
+    if all(parent in sys.modules for parent in _PARENTS):
+        return importlib.import_module(f"openenv.core.env_server.{name}")
+    import openenv
+
+    root = Path(openenv.__file__).parent
+    stand_ins: list[str] = []
+    for parent in _PARENTS:
+        if parent not in sys.modules:
+            module = types.ModuleType(parent)
+            module.__path__ = [str(root.joinpath(*parent.split(".")[1:]))]
+            sys.modules[parent] = module
+            stand_ins.append(parent)
+    try:
+        return importlib.import_module(f"openenv.core.env_server.{name}")
+    finally:
+        for parent in stand_ins:
+            stand_in = sys.modules.pop(parent)
+            owner = sys.modules.get(parent.rpartition(".")[0])
+            child = parent.rpartition(".")[2]
+            if owner is not None and getattr(owner, child, None) is stand_in:
+                delattr(owner, child)
+
+
+_interfaces = _load("interfaces")
+_types = _load("types")
+_mcp = _load("mcp_types")
+_serialization = _load("serialization")
+
+Environment = _interfaces.Environment
+Action = _types.Action
+Observation = _types.Observation
+State = _types.State
+EnvironmentMetadata = _types.EnvironmentMetadata
+CallToolAction = _mcp.CallToolAction
+ListToolsAction = _mcp.ListToolsAction
+CallToolObservation = _mcp.CallToolObservation
+deserialize_action = _serialization.deserialize_action

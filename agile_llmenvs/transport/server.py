@@ -1,0 +1,182 @@
+"""OpenEnvServer: host text envs behind OpenEnv's ``/ws`` protocol, on uvicorn in a thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from types import TracebackType
+
+import uvicorn
+
+from agile_llmenvs.errors import AgileLLMEnvsError
+from agile_llmenvs.llm_envs.contract import TextEnv
+from agile_llmenvs.transport._openenv import Environment
+from agile_llmenvs.transport.asgi import EnvApp, ServerSettings
+from agile_llmenvs.transport.wrapper import OpenEnvWrapper
+
+__all__ = ["OpenEnvServer", "ServerSettings"]
+
+EnvLike = TextEnv | Environment
+
+
+class OpenEnvServer:
+    """Serve envs over OpenEnv's WebSocket protocol on uvicorn, in a background daemon thread.
+
+    Pass ``env`` to share one env (one session at a time), or ``make_env`` (+
+    ``max_concurrent_envs``) for a fresh env per ``/ws`` session. Plain text envs are wrapped
+    in :class:`OpenEnvWrapper`; OpenEnv ``Environment`` objects are served as they are.
+
+    Args:
+        env: A single shared local env. Exactly one of ``env`` / ``make_env``.
+        make_env: Zero-argument factory building a fresh env per session.
+        host: Interface to bind (default loopback).
+        port: TCP port; 0 lets the OS pick one.
+        env_name: Name in the env's metadata; defaults to its class name.
+        max_concurrent_envs: Max live sessions (with ``make_env``; None: unlimited). Set it to
+            at least ``batch_size * group_size`` (+1 for an eval env) for GRPO.
+        advertise_host: Host clients should dial when it differs from the bound interface.
+        token: Shared secret clients must present (OpenEnv itself has no authentication).
+        settings: Timeouts, keep-alive and message limits.
+
+    Raises:
+        ValueError: both or neither of ``env``/``make_env``, or ``max_concurrent_envs > 1``
+            with a shared ``env``.
+    """
+
+    def __init__(
+        self,
+        env: EnvLike | None = None,
+        *,
+        make_env: Callable[[], EnvLike] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        env_name: str | None = None,
+        max_concurrent_envs: int | None = None,
+        advertise_host: str | None = None,
+        token: str | None = None,
+        settings: ServerSettings | None = None,
+    ) -> None:
+        if (env is None) == (make_env is None):
+            raise ValueError("OpenEnvServer needs exactly one of `env` or `make_env`")
+        if env is not None and max_concurrent_envs not in (None, 1):
+            raise ValueError(
+                f"max_concurrent_envs={max_concurrent_envs} needs `make_env`: one shared `env` "
+                "serves one session at a time"
+            )
+        if max_concurrent_envs is not None and max_concurrent_envs < 1:
+            raise ValueError(f"max_concurrent_envs must be >= 1, got {max_concurrent_envs}")
+        settings = settings or ServerSettings()
+        if env is not None:
+            shared = _as_environment(env, env_name, owns=False)
+            build: Callable[[], Environment] = lambda: shared  # noqa: E731
+            limit: int | None = 1
+            name = env_name or _name_of(env)
+        else:
+            assert make_env is not None
+            build = _Fresh(make_env, env_name)
+            limit = max_concurrent_envs
+            name = env_name or getattr(make_env, "__name__", "env")
+        self.app = EnvApp(build, env_name=name, max_sessions=limit, token=token,
+                          settings=settings, owns_envs=env is None)
+        self._socket = _bind(host, port)
+        self.host = host
+        self.port: int = self._socket.getsockname()[1]
+        self.advertise_host = advertise_host
+        config = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            ws="websockets-sansio",
+            ws_ping_interval=settings.ws_ping_interval_s,
+            ws_ping_timeout=settings.ws_ping_timeout_s,
+            ws_per_message_deflate=False,
+            ws_max_size=4 * settings.max_message_bytes,
+            lifespan="on",
+            timeout_graceful_shutdown=2,
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._run, name=f"openenv-server-{self.port}",
+                                        daemon=True)
+        self._thread.start()
+        self._wait_started()
+
+    @property
+    def url(self) -> str:
+        """Base URL clients dial (``http://host:port``); sessions live at ``/ws``."""
+        host = self.advertise_host or self.host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    @property
+    def active_sessions(self) -> int:
+        """Sessions open right now."""
+        return self.app.active_sessions
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop serving: open sessions are closed and the thread joined. Idempotent."""
+        if not self._thread.is_alive():
+            return
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._server.force_exit = True
+            self._thread.join(timeout_s)
+        self._socket.close()
+
+    def __enter__(self) -> OpenEnvServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        self._server.run(sockets=[self._socket])
+
+    def _wait_started(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise AgileLLMEnvsError(f"env server on {self.host}:{self.port} did not start")
+            time.sleep(0.005)
+
+
+class _Fresh:
+    """A fresh env per session, owned (and closed) by the session."""
+
+    def __init__(self, make_env: Callable[[], EnvLike], env_name: str | None) -> None:
+        self.make_env = make_env
+        self.env_name = env_name
+
+    def __call__(self) -> Environment:
+        return _as_environment(self.make_env(), self.env_name, owns=True)
+
+
+def _as_environment(env: EnvLike, env_name: str | None, *, owns: bool) -> Environment:
+    if isinstance(env, Environment):
+        return env
+    return OpenEnvWrapper(env, env_name=env_name, owns_inner=owns)
+
+
+def _name_of(env: Any) -> str:
+    return str(getattr(env, "env_name", None) or type(env).__name__)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise AgileLLMEnvsError(f"cannot bind the env server to {host}:{port}: {exc}") from exc
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock

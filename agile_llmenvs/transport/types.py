@@ -1,0 +1,86 @@
+"""The standard text interface both ways over OpenEnv, and the reply every client returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import Field
+
+from agile_llmenvs.transport._openenv import Action, Observation, State
+
+__all__ = ["EnvReply", "TextAction", "TextObservation", "TextState"]
+
+
+class TextAction(Action):  # type: ignore[misc]
+    """OpenEnv action carrying the policy's generated text."""
+
+    message: str = Field("", description="The policy's text.")
+
+
+class TextObservation(Observation):  # type: ignore[misc]
+    """OpenEnv observation carrying the next prompt text and optional labels.
+
+    ``truncated`` is declared because the wire has only ``done`` (no terminated/truncated
+    split), so it can travel and rebuild gymnasium's 5-tuple. On reset the prompt is shown to
+    the policy and the labels stay unset; on the terminal step ``question`` / ``answer`` are
+    set so rubrics can score.
+    """
+
+    prompt: str = Field("", description="Text shown to the policy next.")
+    truncated: bool = Field(False, description="The episode ended by a limit, not by the task.")
+    question: Any = Field(None, description="The task's question (terminal step only).")
+    answer: Any = Field(None, description="The task's reference answer (terminal step only).")
+
+
+class TextState(State):  # type: ignore[misc]
+    """OpenEnv state of a text env: what a trainer needs to know about it."""
+
+    dataset_size: int | None = Field(None, description="Rows of a dataset-backed env.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Tools the env offers.")
+    max_turns: int | None = Field(None, description="The env's own turn budget.")
+    rubric_components: dict[str, float | None] | None = Field(
+        None, description="Last score of each named rubric component."
+    )
+
+
+@dataclass(frozen=True)
+class EnvReply:
+    """One env answer as every client returns it, in-process or remote.
+
+    Attributes:
+        observation: The observation's fields (``prompt``, ``truncated``, ``question``, ...).
+        reward: The step's reward (``None`` after reset).
+        done: Whether the episode ended.
+        metadata: The env's ``info``.
+    """
+
+    observation: dict[str, Any]
+    reward: float | None = None
+    done: bool = False
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt(self) -> str:
+        """The observation's text: ``prompt`` for text envs, else the whole observation."""
+        prompt = self.observation.get("prompt")
+        return prompt if isinstance(prompt, str) else str(self.observation)
+
+    @property
+    def truncated(self) -> bool:
+        """Whether the episode ended by a limit rather than by the task."""
+        return bool(self.observation.get("truncated", False))
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> EnvReply:
+        """Parse the ``data`` of an ``observation`` reply frame."""
+        observation = dict(data.get("observation") or {})
+        metadata = data.get("metadata") or observation.pop("metadata", None) or {}
+        observation.pop("metadata", None)
+        reward = data.get("reward")
+        return cls(
+            observation=observation,
+            reward=None if reward is None else float(reward),
+            done=bool(data.get("done", False)),
+            metadata=dict(metadata),
+        )

@@ -1,0 +1,111 @@
+"""Adapt a plain-text env (:class:`~agile_llmenvs.llm_envs.TextEnv`) to OpenEnv's typed ABC."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from agile_llmenvs.llm_envs.contract import TextEnv
+from agile_llmenvs.transport._openenv import Environment, EnvironmentMetadata
+from agile_llmenvs.transport.types import TextAction, TextObservation, TextState
+
+__all__ = ["OpenEnvWrapper", "jsonable"]
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with numpy scalars/arrays, tuples and sets turned into JSON types."""
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class OpenEnvWrapper(Environment):  # type: ignore[misc]
+    """Adapt a plain-text env to OpenEnv's typed ``Environment`` ABC.
+
+    Translates between the env's string ``reset``/``step`` and OpenEnv's typed action,
+    observation and state: env ``info`` travels in observation metadata, ``dataset_size``,
+    ``tools`` and ``max_turns`` surface on the state, and on the terminal step the ``question``
+    / ``answer`` the env put in ``info`` are set on the observation so rubrics can score.
+
+    Args:
+        inner: The local text env to host.
+        env_name: Name in the OpenEnv metadata; defaults to ``inner``'s class name.
+        owns_inner: If True, :meth:`close` closes ``inner`` (the per-session path).
+    """
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self, inner: TextEnv, *, env_name: str | None = None, owns_inner: bool = False):
+        super().__init__()
+        self.inner = inner
+        self.env_name = env_name or type(inner).__name__
+        self.owns_inner = owns_inner
+        self._state = TextState(episode_id=None, step_count=0)
+        self._closed = False
+
+    def reset(
+        self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any
+    ) -> TextObservation:
+        """Start an episode of the inner env; reset kwargs are the task (e.g. ``row_index``)."""
+        prompt, info = self.inner.reset(seed=seed, **kwargs)
+        self._state = TextState(episode_id=episode_id, step_count=0)
+        return TextObservation(prompt=str(prompt), metadata=jsonable(info or {}))
+
+    def step(
+        self, action: TextAction, timeout_s: float | None = None, **kwargs: Any
+    ) -> TextObservation:
+        """Send the action's text to the inner env and type its 5-tuple as an observation."""
+        prompt, reward, terminated, truncated, info = self.inner.step(action.message)
+        self._state.step_count += 1
+        done = bool(terminated or truncated)
+        info = jsonable(info or {})
+        return TextObservation(
+            prompt=str(prompt),
+            reward=float(reward),
+            done=done,
+            truncated=bool(truncated),
+            question=info.get("question") if done else None,
+            answer=info.get("answer") if done else None,
+            metadata=info,
+        )
+
+    @property
+    def state(self) -> TextState:
+        """Episode id and step count, plus what the inner env declares about itself."""
+        inner = self.inner
+        rubric = getattr(inner, "rubric", None)
+        scores = None
+        if rubric is not None and hasattr(rubric, "named_rubrics"):
+            scores = {name: r.last_score for name, r in rubric.named_rubrics()}
+        tools = getattr(inner, "tools", None)
+        return self._state.model_copy(
+            update={
+                "dataset_size": getattr(inner, "dataset_size", None),
+                "tools": jsonable(list(tools)) if tools is not None else None,
+                "max_turns": getattr(inner, "max_turns", None),
+                "rubric_components": scores,
+            }
+        )
+
+    def get_metadata(self) -> Any:
+        """OpenEnv metadata naming the env."""
+        return EnvironmentMetadata(
+            name=self.env_name, description=(type(self.inner).__doc__ or "").strip()[:200]
+        )
+
+    def close(self) -> None:
+        """Close the inner env if this wrapper owns it; idempotent."""
+        if self.owns_inner and not self._closed:
+            self._closed = True
+            self.inner.close()

@@ -17,10 +17,12 @@ __all__ = [
     "EnvExecutionError",
     "EnvFactoryError",
     "EnvProtocolError",
+    "EnvStateError",
     "EnvTimeoutError",
     "ImportPathError",
     "ManifestError",
     "OptionalDependencyError",
+    "StaleStateError",
 ]
 
 
@@ -112,3 +114,28 @@ class EnvTimeoutError(EnvConnectionError, TimeoutError):
     reply can never answer a later call."""
 
     code = "TIMEOUT"
+
+
+class BackendError(AgileLLMEnvsError, RuntimeError):
+    """A generation backend failed: a request was refused, or it failed past its retries.
+
+    ``status_code`` is the HTTP status of an API backend's last response, when there was one.
+    """
+
+    def __init__(self, message: str, *, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class EvaluationError(AgileLLMEnvsError, ValueError):
+    """An evaluation run was asked for with arguments that cannot work together."""
+
+
+class StaleStateError(AgileLLMEnvsError, ValueError):
+    """A ``State`` was stepped that its environment has already moved past or released."""
+
+
+class EnvStateError(EnvError):
+    """A client call made in the wrong lifecycle state (step before reset, after close)."""
+
+    code = "INVALID_STATE"

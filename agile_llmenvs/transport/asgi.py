@@ -115,10 +115,15 @@ class EnvApp:
         await send({"type": "websocket.accept"})
         if self.max_sessions is not None and self.active_sessions >= self.max_sessions:
             message = f"Server at capacity ({self.active_sessions}/{self.max_sessions} sessions)"
-            await _send_quietly(send, error_frame(
-                ErrorCode.CAPACITY_REACHED, message,
-                active_sessions=self.active_sessions, max_sessions=self.max_sessions,
-            ))
+            await _send_quietly(
+                send,
+                error_frame(
+                    ErrorCode.CAPACITY_REACHED,
+                    message,
+                    active_sessions=self.active_sessions,
+                    max_sessions=self.max_sessions,
+                ),
+            )
             await _close_quietly(send, 1013)
             return
         self.active_sessions += 1
@@ -133,10 +138,14 @@ class EnvApp:
             env = await loop.run_in_executor(self.executor, self.make_env)
         except Exception as exc:
             logger.exception("env factory failed")
-            await _send_quietly(send, error_frame(
-                ErrorCode.FACTORY_ERROR, f"{type(exc).__name__}: {exc}",
-                error_type=type(exc).__name__,
-            ))
+            await _send_quietly(
+                send,
+                error_frame(
+                    ErrorCode.FACTORY_ERROR,
+                    f"{type(exc).__name__}: {exc}",
+                    error_type=type(exc).__name__,
+                ),
+            )
             await _close_quietly(send, 1011)
             return
         action_cls = getattr(env, "ACTION_CLS", None) or TextAction
@@ -164,8 +173,9 @@ class EnvApp:
                 return
             text = event.get("text")
             if text is None:
-                reply = error_frame(ErrorCode.VALIDATION_ERROR,
-                                    "Binary frames are not supported; send JSON text")
+                reply = error_frame(
+                    ErrorCode.VALIDATION_ERROR, "Binary frames are not supported; send JSON text"
+                )
             elif len(text) > self.settings.max_message_bytes:
                 reply = error_frame(
                     ErrorCode.MESSAGE_TOO_LARGE,
@@ -195,8 +205,11 @@ class EnvApp:
         except WireError as exc:
             return error_frame(exc.code, str(exc), **exc.extra)
         except Exception as exc:
-            return error_frame(code_for_exception(exc), f"{type(exc).__name__}: {exc}",
-                               error_type=type(exc).__name__)
+            return error_frame(
+                code_for_exception(exc),
+                f"{type(exc).__name__}: {exc}",
+                error_type=type(exc).__name__,
+            )
 
     async def _call(self, env: Environment, method: str, *args: Any, **kwargs: Any) -> Any:
         native = getattr(env, f"{method}_async")
@@ -226,11 +239,15 @@ class EnvApp:
         if scope["method"] == "GET" and path == "/health":
             await _json_response(send, 200, {"status": "healthy"})
         elif scope["method"] == "GET" and path == "/metadata":
-            await _json_response(send, 200, {
-                "name": self.env_name,
-                "active_sessions": self.active_sessions,
-                "max_sessions": self.max_sessions,
-            })
+            await _json_response(
+                send,
+                200,
+                {
+                    "name": self.env_name,
+                    "active_sessions": self.active_sessions,
+                    "max_sessions": self.max_sessions,
+                },
+            )
         else:
             await _json_response(send, 404, {"detail": "Not Found"})
 
@@ -271,6 +288,9 @@ async def _close_quietly(send: Send, code: int, reason: str = "") -> None:
 
 async def _json_response(send: Send, status: int, body: dict[str, Any]) -> None:
     payload = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+    ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})

@@ -78,8 +78,14 @@ class OpenEnvServer:
             build = _Fresh(make_env, env_name)
             limit = max_concurrent_envs
             name = env_name or getattr(make_env, "__name__", "env")
-        self.app = EnvApp(build, env_name=name, max_sessions=limit, token=token,
-                          settings=settings, owns_envs=env is None)
+        self.app = EnvApp(
+            build,
+            env_name=name,
+            max_sessions=limit,
+            token=token,
+            settings=settings,
+            owns_envs=env is None,
+        )
         self._socket = _bind(host, port)
         self.host = host
         self.port: int = self._socket.getsockname()[1]
@@ -96,8 +102,9 @@ class OpenEnvServer:
             timeout_graceful_shutdown=2,
         )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._run, name=f"openenv-server-{self.port}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"openenv-server-{self.port}", daemon=True
+        )
         self._thread.start()
         self._wait_started()
 

@@ -1,0 +1,107 @@
+"""The client interface a rollout drives, and its in-process implementation."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol, runtime_checkable
+
+from agile_llmenvs.errors import AgileLLMEnvsError, EnvExecutionError, EnvStateError
+from agile_llmenvs.llm_envs.contract import TextEnv
+from agile_llmenvs.transport._openenv import Environment
+from agile_llmenvs.transport.protocol import observation_frame
+from agile_llmenvs.transport.types import EnvReply, TextAction
+from agile_llmenvs.transport.wrapper import OpenEnvWrapper
+
+__all__ = ["EnvClientProtocol", "InProcessEnvClient"]
+
+
+@runtime_checkable
+class EnvClientProtocol(Protocol):
+    """One env instance as a rollout sees it, wherever the env lives."""
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> EnvReply:
+        """Start an episode; ``task`` holds reset kwargs such as ``row_index``."""
+        ...
+
+    def step(self, text: str) -> EnvReply:
+        """Send the policy's text; returns the env's reply."""
+        ...
+
+    def state(self) -> dict[str, Any]:
+        """The env's OpenEnv state (``dataset_size``, ``tools``, ...)."""
+        ...
+
+    def close(self) -> None:
+        """Release the env."""
+        ...
+
+
+class InProcessEnvClient:
+    """Drives an environment object living in this process: no server, no sockets.
+
+    A plain text env is wrapped in :class:`OpenEnvWrapper` and every reply goes through the
+    same serialisation as on the wire, so an env behaves exactly as it would when hosted
+    (including env exceptions surfacing as :class:`~agile_llmenvs.errors.EnvExecutionError`).
+    An OpenEnv ``Environment`` is used as it is.
+
+    Args:
+        env: The env to drive: a text env or an OpenEnv ``Environment``.
+        action_field: Field of the env's action class the model's text goes into.
+    """
+
+    def __init__(self, env: TextEnv | Environment, *, action_field: str = "message") -> None:
+        if isinstance(env, Environment):
+            self.env = env
+        else:
+            self.env = OpenEnvWrapper(env, owns_inner=True)
+        self.action_cls: type = getattr(self.env, "ACTION_CLS", None) or TextAction
+        self.action_field = action_field
+        self._closed = False
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> EnvReply:
+        """Reset the env with ``seed`` and the task's kwargs."""
+        self._check_open()
+        observation = self._call(self.env.reset, seed=seed, **task)
+        return _reply(observation)
+
+    def step(self, text: str) -> EnvReply:
+        """Send ``text`` in the action's ``action_field``."""
+        self._check_open()
+        action = self.action_cls(**{self.action_field: text})
+        return _reply(self._call(self.env.step, action))
+
+    def state(self) -> dict[str, Any]:
+        """The env's OpenEnv state as plain JSON data."""
+        self._check_open()
+        return json.loads(self.env.state.model_dump_json())  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Close the env; idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.env.close()
+
+    def __enter__(self) -> InProcessEnvClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EnvStateError("this InProcessEnvClient is closed")
+
+    @staticmethod
+    def _call(method: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except AgileLLMEnvsError:
+            raise
+        except Exception as exc:
+            raise EnvExecutionError(
+                f"in-process env: {type(exc).__name__}: {exc}", code="EXECUTION_ERROR"
+            ) from exc
+
+
+def _reply(observation: Any) -> EnvReply:
+    return EnvReply.from_wire(json.loads(observation_frame(observation))["data"])

@@ -1,0 +1,293 @@
+"""RemoteEnvClient: one OpenEnv ``/ws`` session, i.e. one env instance behind a URL."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from enum import Enum
+from typing import Any
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+
+from agile_llmenvs.errors import (
+    EnvAuthError,
+    EnvCapacityError,
+    EnvConnectionError,
+    EnvError,
+    EnvFactoryError,
+    EnvStateError,
+    EnvTimeoutError,
+)
+from agile_llmenvs.transport.protocol import error_from_wire
+from agile_llmenvs.transport.session_loop import SESSION_LOOP
+from agile_llmenvs.transport.types import EnvReply
+
+__all__ = ["ClientState", "RemoteEnvClient", "ws_url"]
+
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class ClientState(Enum):
+    """Lifecycle of a remote session."""
+
+    IDLE = "idle"  # no connection yet
+    READY = "ready"  # connected, no episode started
+    IN_EPISODE = "in_episode"
+    LOST = "lost"  # the connection failed mid-episode; the next reset reconnects
+    CLOSED = "closed"
+
+
+def ws_url(base_url: str) -> str:
+    """The ``/ws`` URL of a server's base URL (``http(s)://`` or ``ws(s)://``)."""
+    url = base_url.rstrip("/")
+    for http, ws in (("http://", "ws://"), ("https://", "wss://")):
+        if url.startswith(http):
+            url = ws + url[len(http) :]
+    if not url.startswith(("ws://", "wss://")):
+        raise ValueError(f"expected an http(s):// or ws(s):// URL, got {base_url!r}")
+    return url if url.endswith("/ws") else f"{url}/ws"
+
+
+class RemoteEnvClient:
+    """Drives an environment hosted behind a URL, over one WebSocket session.
+
+    The session is the env instance: the server builds a fresh env when the connection opens
+    and destroys it when it closes. A connection lost mid-episode therefore fails that episode
+    with :class:`~agile_llmenvs.errors.EnvConnectionError` instead of silently continuing on a
+    fresh env; reconnection (with jittered backoff) happens only at the next :meth:`reset`.
+    A reply that misses ``timeout_s`` drops the session (:class:`EnvTimeoutError`), so a late
+    reply can never be taken as the answer to a later call. Calls block the calling thread
+    while the I/O runs on the process-wide session loop.
+
+    Args:
+        base_url: Root URL of the env server, or a zero-argument callable returning it —
+            called again on every reconnect, so a host that moved is found again.
+        timeout_s: Per-message timeout (None: unbounded).
+        connect_timeout_s: Time allowed to (re)establish the session, retries included.
+        mcp_tool: If set, the text is sent as ``call_tool(mcp_tool, {action_field: text})``.
+        action_field: Action field (or MCP argument name) carrying the text.
+        tasks: Per-row reset kwargs; ``row_index`` selects the entry merged into reset.
+        eval_tasks: Held-out per-row reset kwargs used in :meth:`eval_mode`.
+        token: Shared secret the server requires, sent as ``Authorization: Bearer``.
+    """
+
+    def __init__(
+        self,
+        base_url: str | Callable[[], str],
+        *,
+        timeout_s: float | None = None,
+        connect_timeout_s: float = 30.0,
+        mcp_tool: str | None = None,
+        action_field: str = "message",
+        tasks: Sequence[Mapping[str, Any]] | None = None,
+        eval_tasks: Sequence[Mapping[str, Any]] | None = None,
+        token: str | None = None,
+    ) -> None:
+        self.base_url = base_url
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.mcp_tool = mcp_tool
+        self.action_field = action_field
+        self.tasks = list(tasks) if tasks is not None else None
+        self.eval_tasks = list(eval_tasks) if eval_tasks is not None else None
+        self.token = token
+        self.eval = False
+        self.state_ = ClientState.IDLE
+        self.url = ""
+        self._ws: ClientConnection | None = None
+        self._lock: asyncio.Lock | None = None
+
+    # -- blocking API ------------------------------------------------------------------------
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> EnvReply:
+        """Start an episode, (re)connecting first when needed."""
+        return SESSION_LOOP.run(self.areset(seed=seed, **task))
+
+    def step(self, text: str) -> EnvReply:
+        """Send the policy's text; returns the env's reply."""
+        return SESSION_LOOP.run(self.astep(text))
+
+    def state(self) -> dict[str, Any]:
+        """The env's OpenEnv state."""
+        return SESSION_LOOP.run(self.astate())
+
+    def close(self) -> None:
+        """End the session (the server closes the env); idempotent."""
+        if self.state_ is not ClientState.CLOSED:
+            SESSION_LOOP.run(self.aclose())
+
+    def eval_mode(self) -> None:
+        """Select reset kwargs from ``eval_tasks`` (when given) instead of ``tasks``."""
+        self.eval = True
+
+    def train_mode(self) -> None:
+        """Select reset kwargs from ``tasks`` again."""
+        self.eval = False
+
+    def __enter__(self) -> RemoteEnvClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- async API (run on SESSION_LOOP) -------------------------------------------------------
+
+    async def areset(self, *, seed: int | None = None, **task: Any) -> EnvReply:
+        """Async :meth:`reset`; must run on the session loop."""
+        async with self._guard():
+            if self.state_ is ClientState.CLOSED:
+                raise EnvStateError(f"{self.url or 'client'}: reset() after close()")
+            if self._ws is None:
+                await self._connect()
+            data = {**self._task_kwargs(task.get("row_index")), **task}
+            if seed is not None:
+                data["seed"] = seed
+            reply = await self._exchange({"type": "reset", "data": data})
+            self.state_ = ClientState.IN_EPISODE
+            return reply
+
+    async def astep(self, text: str) -> EnvReply:
+        """Async :meth:`step`; must run on the session loop."""
+        async with self._guard():
+            if self.state_ is ClientState.LOST:
+                raise EnvConnectionError(
+                    f"{self.url}: the session was lost mid-episode; this episode is over, "
+                    "call reset() to start a new one on a fresh connection"
+                )
+            if self.state_ is not ClientState.IN_EPISODE:
+                raise EnvStateError(
+                    f"{self.url or 'client'}: step() before reset() (state {self.state_.value})"
+                )
+            if self.mcp_tool is not None:
+                data: dict[str, Any] = {
+                    "type": "call_tool",
+                    "tool_name": self.mcp_tool,
+                    "arguments": {self.action_field: text},
+                }
+            else:
+                data = {self.action_field: text}
+            return await self._exchange({"type": "step", "data": data})
+
+    async def astate(self) -> dict[str, Any]:
+        """Async :meth:`state`; must run on the session loop."""
+        async with self._guard():
+            if self._ws is None:
+                raise EnvStateError(
+                    f"{self.url or 'client'}: state() needs an open session; call reset() first"
+                )
+            return await self._exchange({"type": "state"}, parse=False)  # type: ignore[return-value]
+
+    async def aclose(self) -> None:
+        """Async :meth:`close`."""
+        ws, self._ws = self._ws, None
+        self.state_ = ClientState.CLOSED
+        if ws is not None:
+            with contextlib.suppress(Exception):
+                await ws.send(json.dumps({"type": "close"}))
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ws.close(), 2.0)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _guard(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    def _task_kwargs(self, row_index: Any) -> dict[str, Any]:
+        rows = self.eval_tasks if self.eval and self.eval_tasks is not None else self.tasks
+        if row_index is None or rows is None:
+            return {}
+        if not 0 <= int(row_index) < len(rows):
+            raise IndexError(f"row_index {row_index} is outside the {len(rows)} tasks")
+        return dict(rows[int(row_index)])
+
+    async def _connect(self) -> None:
+        deadline = time.monotonic() + self.connect_timeout_s
+        attempt = 0
+        while True:
+            base = self.base_url() if callable(self.base_url) else self.base_url
+            self.url = ws_url(base)
+            try:
+                self._ws = await self._open(max(deadline - time.monotonic(), 0.05))
+                self.state_ = ClientState.READY
+                return
+            except InvalidStatus as exc:
+                status = exc.response.status_code
+                if status in (401, 403):
+                    raise EnvAuthError(
+                        f"{self.url}: the server refused the session (HTTP "
+                        f"{status}); check the token"
+                    ) from exc
+                error: Exception = exc
+            except (OSError, TimeoutError, WebSocketException) as exc:
+                error = exc
+            delay = min(0.05 * 2**attempt, 2.0) * random.uniform(0.5, 1.5)
+            if time.monotonic() + delay > deadline:
+                self.state_ = ClientState.LOST
+                raise EnvConnectionError(
+                    f"{self.url}: cannot connect within {self.connect_timeout_s} s "
+                    f"({type(error).__name__}: {error})"
+                ) from error
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def _open(self, timeout_s: float) -> ClientConnection:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
+        return await connect(
+            self.url,
+            open_timeout=timeout_s,
+            compression=None,
+            max_size=_MAX_MESSAGE_BYTES,
+            ping_interval=20.0,
+            ping_timeout=20.0,
+            additional_headers=headers,
+            proxy=None,
+        )
+
+    async def _exchange(self, message: dict[str, Any], *, parse: bool = True) -> Any:
+        ws = self._ws
+        assert ws is not None
+        with contextlib.suppress(ConnectionClosed):  # a refusal frame may already be queued
+            await ws.send(json.dumps(message))
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                raw = await ws.recv()
+        except TimeoutError:
+            await self._drop()
+            raise EnvTimeoutError(
+                f"{self.url}: no reply to {message['type']!r} within {self.timeout_s} s; the "
+                "session was dropped so its late reply cannot answer a later call"
+            ) from None
+        except ConnectionClosed as exc:
+            await self._drop()
+            raise EnvConnectionError(
+                f"{self.url}: connection lost during {message['type']!r} ({exc})"
+            ) from exc
+        reply = json.loads(raw)
+        if reply.get("type") == "error":
+            error = error_from_wire(reply.get("data") or {}, url=self.url)
+            if isinstance(error, EnvCapacityError | EnvFactoryError):
+                await self._drop(state=ClientState.IDLE)
+            raise error
+        if not parse:
+            return reply.get("data") or {}
+        if reply.get("type") != "observation":
+            raise EnvError(f"{self.url}: expected an observation reply, got {reply.get('type')!r}")
+        return EnvReply.from_wire(reply.get("data") or {})
+
+    async def _drop(self, state: ClientState = ClientState.LOST) -> None:
+        ws, self._ws = self._ws, None
+        self.state_ = state
+        if ws is not None:
+            asyncio.get_running_loop().create_task(_close_in_background(ws))
+
+
+async def _close_in_background(ws: ClientConnection) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(ws.close(), 2.0)

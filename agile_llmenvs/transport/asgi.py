@@ -171,7 +171,8 @@ class EnvApp:
                 return
             if event["type"] == "websocket.disconnect":
                 return
-            text = event.get("text")
+            text: str | None = event.get("text")
+            reply: str | None
             if text is None:
                 reply = error_frame(
                     ErrorCode.VALIDATION_ERROR, "Binary frames are not supported; send JSON text"

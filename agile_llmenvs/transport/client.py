@@ -73,7 +73,7 @@ class InProcessEnvClient:
     def state(self) -> dict[str, Any]:
         """The env's OpenEnv state as plain JSON data."""
         self._check_open()
-        return json.loads(self.env.state.model_dump_json())  # type: ignore[no-any-return]
+        return dict(json.loads(self.env.state.model_dump_json()))
 
     def close(self) -> None:
         """Close the env; idempotent."""

@@ -92,7 +92,7 @@ def parse_message(raw: str) -> ResetMessage | StepMessage | StateMessage | Close
     if kind not in _KNOWN_TYPES:
         raise WireError(ErrorCode.UNKNOWN_TYPE, f"Unknown message type: {kind}")
     try:
-        return _INCOMING.validate_python(payload)  # type: ignore[no-any-return]
+        return _INCOMING.validate_python(payload)
     except ValidationError as exc:
         raise WireError(
             ErrorCode.VALIDATION_ERROR,

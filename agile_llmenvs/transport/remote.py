@@ -180,7 +180,7 @@ class RemoteEnvClient:
                 raise EnvStateError(
                     f"{self.url or 'client'}: state() needs an open session; call reset() first"
                 )
-            return await self._exchange({"type": "state"}, parse=False)  # type: ignore[return-value]
+            return await self._exchange({"type": "state"}, parse=False)
 
     async def aclose(self) -> None:
         """Async :meth:`close`."""

@@ -7,18 +7,19 @@ import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any, TypeAlias
 
 import uvicorn
 
 from agile_llmenvs.errors import AgileLLMEnvsError
-from agile_llmenvs.llm_envs.contract import TextEnv
 from agile_llmenvs.transport._openenv import Environment
 from agile_llmenvs.transport.asgi import EnvApp, ServerSettings
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
 
 __all__ = ["OpenEnvServer", "ServerSettings"]
 
-EnvLike = TextEnv | Environment
+EnvLike: TypeAlias = Any
+"""A :class:`TextEnv` or an OpenEnv ``Environment`` (OpenEnv's classes are untyped)."""
 
 
 class OpenEnvServer:
@@ -77,7 +78,7 @@ class OpenEnvServer:
             assert make_env is not None
             build = _Fresh(make_env, env_name)
             limit = max_concurrent_envs
-            name = env_name or getattr(make_env, "__name__", "env")
+            name = env_name or str(getattr(make_env, "__name__", "env"))
         self.app = EnvApp(
             build,
             env_name=name,

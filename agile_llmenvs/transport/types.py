@@ -12,13 +12,13 @@ from agile_llmenvs.transport._openenv import Action, Observation, State
 __all__ = ["EnvReply", "TextAction", "TextObservation", "TextState"]
 
 
-class TextAction(Action):  # type: ignore[misc]
+class TextAction(Action):
     """OpenEnv action carrying the policy's generated text."""
 
     message: str = Field("", description="The policy's text.")
 
 
-class TextObservation(Observation):  # type: ignore[misc]
+class TextObservation(Observation):
     """OpenEnv observation carrying the next prompt text and optional labels.
 
     ``truncated`` is declared because the wire has only ``done`` (no terminated/truncated
@@ -33,7 +33,7 @@ class TextObservation(Observation):  # type: ignore[misc]
     answer: Any = Field(None, description="The task's reference answer (terminal step only).")
 
 
-class TextState(State):  # type: ignore[misc]
+class TextState(State):
     """OpenEnv state of a text env: what a trainer needs to know about it."""
 
     dataset_size: int | None = Field(None, description="Rows of a dataset-backed env.")

@@ -30,7 +30,7 @@ def jsonable(value: Any) -> Any:
     return value
 
 
-class OpenEnvWrapper(Environment):  # type: ignore[misc]
+class OpenEnvWrapper(Environment):
     """Adapt a plain-text env to OpenEnv's typed ``Environment`` ABC.
 
     Translates between the env's string ``reset``/``step`` and OpenEnv's typed action,

@@ -1,37 +1,32 @@
 """Vectorised PettingZoo parallel environments: many sub-envs behind one batched interface.
 
-Both classes expose the same API. :class:`AsyncPettingZooVecEnv` runs each sub-env in its own
-subprocess and talks to it over a pipe; :class:`SyncPettingZooVecEnv` runs them in-process, which
-is handy for debugging and as a reference in tests. Every sub-env must have the same
-``possible_agents`` and per-agent spaces.
+:class:`AsyncPettingZooVecEnv` runs each sub-env in its own subprocess (pipes);
+:class:`SyncPettingZooVecEnv` runs them in-process with the same API (debugging, reference).
+All sub-envs must share ``possible_agents`` and per-agent spaces. With ``n = num_envs``:
 
-Batched layout (``n = num_envs``):
+* observations: agent -> batch built with gymnasium's ``create_empty_array``/``concatenate``
+  (``(n, *shape)`` for ``Box``; nested for ``Dict``/``Tuple``). An agent not alive in sub-env
+  ``i`` gets zeros there.
+* rewards / terminations / truncations: agent -> ``(n,)`` array of ``float32`` / ``bool`` /
+  ``bool``. A non-alive agent gets ``0`` / ``True`` / ``False``; its actions are not passed on.
+* infos: agent -> ``list`` of ``n`` info dicts (empty for non-alive agents).
 
-* observations: ``dict[agent, batch]`` where ``batch`` is built with gymnasium's
-  ``create_empty_array``/``concatenate`` (a ``(n, *shape)`` array for ``Box``; nested dicts or
-  tuples of arrays for ``Dict``/``Tuple`` spaces). An agent that is not alive in sub-env ``i``
-  gets an all-zeros observation there.
-* rewards / terminations / truncations: ``dict[agent, np.ndarray]`` of shape ``(n,)``, dtypes
-  ``float32`` / ``bool`` / ``bool``. A non-alive agent gets reward ``0``, termination ``True``
-  and truncation ``False``; actions given for it are not passed to that sub-env.
-* infos: ``dict[agent, list[dict]]``, one (possibly empty) info dict per sub-env.
-
-Auto-reset ("same step"): when no agent of sub-env ``i`` is left alive after a step (every agent
-terminated or truncated, or ``env.agents`` is empty), the sub-env is reset at once. The step
-returns the *reset* observation for env ``i`` together with the rewards and flags of the final
-step. ``infos[agent][i]`` is then the reset info plus ``"_autoreset": True`` for every possible
-agent, and, for each agent that acted in the final step, ``"final_observation"`` (its final
-observation) and ``"final_info"`` (its final info dict).
+Same-step auto-reset: when no agent of sub-env ``i`` is alive after a step (all terminated or
+truncated, or ``env.agents`` empty), it is reset at once. The step returns the *reset*
+observation with the final step's rewards and flags; ``infos[agent][i]`` is the reset info plus
+``"_autoreset": True`` for every possible agent and, for agents that acted in the final step,
+``"final_observation"`` and ``"final_info"``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import cloudpickle
 import numpy as np
@@ -54,6 +49,7 @@ __all__ = [
 AUTORESET_KEY = "_autoreset"
 FINAL_OBS_KEY = "final_observation"
 FINAL_INFO_KEY = "final_info"
+_ERROR_CLOSE_GRACE_S = 5.0  # after a failure, workers get this long to exit before SIGTERM
 
 EnvFn = Callable[[], ParallelEnv]
 _Spaces = tuple[list[str], dict[str, tuple[Space[Any], Space[Any]]]]
@@ -79,6 +75,11 @@ class VecEnvWorkerError(AgileLLMEnvsError, RuntimeError):
 
 class VecEnvStateError(AgileLLMEnvsError, RuntimeError):
     """A method was called in the wrong state (after close, or out of step_async/wait order)."""
+
+
+def _close_quietly(env: ParallelEnv) -> None:
+    with contextlib.suppress(Exception):
+        env.close()
 
 
 def _describe(env: ParallelEnv) -> _Spaces:
@@ -109,6 +110,10 @@ def _step_sub_env(env: ParallelEnv, actions: Mapping[str, Any]) -> _StepOut:
     return obs, rewards, terms, truncs, infos
 
 
+def _infos(per_env: Sequence[Mapping[str, Any]], agent: str) -> list[dict[str, Any]]:
+    return [dict(i.get(agent, {})) for i in per_env]
+
+
 def _execute(env: ParallelEnv, command: str, data: Any) -> Any:
     """Run one command (``"reset"`` or ``"step"``) on a sub-env and return its raw result."""
     if command == "reset":
@@ -119,7 +124,7 @@ def _execute(env: ParallelEnv, command: str, data: Any) -> Any:
     raise ValueError(f"unknown command {command!r}")
 
 
-def _worker(index: int, env_fn_bytes: bytes, conn: Connection, parent: Connection | None) -> None:
+def _worker(env_fn_bytes: bytes, conn: Connection, parent: Connection | None) -> None:
     """Subprocess main loop: build the env, report its spaces, then serve commands."""
     if parent is not None:  # fork start method: drop the inherited parent end
         parent.close()
@@ -141,10 +146,7 @@ def _worker(index: int, env_fn_bytes: bytes, conn: Connection, parent: Connectio
         conn.send((False, traceback.format_exc()))
     finally:
         if env is not None:
-            try:
-                env.close()
-            except Exception:
-                pass
+            _close_quietly(env)
         conn.close()
 
 
@@ -229,17 +231,8 @@ class _PettingZooVecEnvBase:
     def _stack(self, per_env: Sequence[Mapping[str, Any]], agent: str) -> Any:
         space = self._single_obs[agent]
         items = [d[agent] if agent in d else self._zero_obs[agent] for d in per_env]
-        return concatenate(space, items, create_empty_array(space, self.num_envs, fn=np.zeros))
-
-    def _batch_reset(
-        self, results: Sequence[tuple[dict[str, Any], dict[str, Any]]]
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        obs = [r[0] for r in results]
-        infos = [r[1] for r in results]
-        return (
-            {a: self._stack(obs, a) for a in self.possible_agents},
-            {a: [dict(i.get(a, {})) for i in infos] for a in self.possible_agents},
-        )
+        out: Any = create_empty_array(space, self.num_envs, fn=np.zeros)
+        return concatenate(space, items, out)
 
     def _batch_step(self, results: Sequence[_StepOut]) -> _StepOut:
         obs, rewards, terms, truncs, infos = (list(part) for part in zip(*results, strict=True))
@@ -249,7 +242,7 @@ class _PettingZooVecEnvBase:
             {a: np.array([r.get(a, 0.0) for r in rewards], dtype=np.float32) for a in agents},
             {a: np.array([bool(t.get(a, True)) for t in terms], dtype=bool) for a in agents},
             {a: np.array([bool(t.get(a, False)) for t in truncs], dtype=bool) for a in agents},
-            {a: [dict(i.get(a, {})) for i in infos] for a in agents},
+            {a: _infos(infos, a) for a in agents},
         )
 
     def reset(
@@ -266,7 +259,10 @@ class _PettingZooVecEnvBase:
             ``(observations, infos)``: agent -> batched observation, agent -> list of info dicts.
         """
         self._check_open(waiting=False)
-        return self._batch_reset(self._run_all("reset", [(s, options) for s in self._seeds(seed)]))
+        self._send_all("reset", [(s, options) for s in self._seeds(seed)])
+        obs, infos = zip(*self._recv_all(None), strict=True)
+        agents = self.possible_agents
+        return {a: self._stack(obs, a) for a in agents}, {a: _infos(infos, a) for a in agents}
 
     def step(self, actions: Mapping[str, Any]) -> _StepOut:
         """Step every sub-env; see the module docstring for the layout and auto-reset.
@@ -296,10 +292,6 @@ class _PettingZooVecEnvBase:
         self._check_open(waiting=True)
         self._waiting = False
         return self._batch_step(self._recv_all(timeout))
-
-    def _run_all(self, command: str, payloads: Sequence[Any]) -> list[Any]:
-        self._send_all(command, payloads)
-        return self._recv_all(None)
 
     def _send_all(self, command: str, payloads: Sequence[Any]) -> None:
         raise NotImplementedError
@@ -341,21 +333,20 @@ class SyncPettingZooVecEnv(_PettingZooVecEnvBase):
         if not env_fns:
             raise EnvBuildError("env_fns is empty; pass at least one env constructor")
         self.envs: list[ParallelEnv] = []
-        described = []
-        for i, fn in enumerate(env_fns):
-            try:
-                self.envs.append(fn())
-                described.append(_describe(self.envs[-1]))
-            except Exception as exc:
-                self._close_envs()
-                raise EnvBuildError(
-                    f"sub-env {i} failed to build:\n{traceback.format_exc()}"
-                ) from exc
         self._pending: list[Any] = []
+        described: list[_Spaces] = []
         try:
+            for i, fn in enumerate(env_fns):
+                try:
+                    self.envs.append(fn())
+                    described.append(_describe(self.envs[-1]))
+                except Exception as exc:
+                    tb = traceback.format_exc()
+                    raise EnvBuildError(f"sub-env {i} failed to build:\n{tb}") from exc
             self._init_spaces(described)
         except EnvBuildError:
-            self._close_envs()
+            for env in self.envs:
+                _close_quietly(env)
             raise
 
     def _send_all(self, command: str, payloads: Sequence[Any]) -> None:
@@ -372,19 +363,13 @@ class SyncPettingZooVecEnv(_PettingZooVecEnvBase):
                 raise VecEnvWorkerError(i, traceback.format_exc()) from exc
         return results
 
-    def _close_envs(self) -> None:
-        for env in self.envs:
-            try:
-                env.close()
-            except Exception:
-                pass
-
     def close(self, timeout: float | None = None) -> None:
         """Close every sub-env; idempotent. ``timeout`` is accepted for API parity."""
         if self._closed:
             return
         self._closed = True
-        self._close_envs()
+        for env in self.envs:
+            _close_quietly(env)
 
 
 class AsyncPettingZooVecEnv(_PettingZooVecEnvBase):
@@ -407,7 +392,7 @@ class AsyncPettingZooVecEnv(_PettingZooVecEnvBase):
             raise EnvBuildError("env_fns is empty; pass at least one env constructor")
         if context is None:
             context = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-        ctx = mp.get_context(context)
+        ctx = cast(Any, mp.get_context(context))  # typeshed: BaseContext lacks .Process
         self._conns: list[Connection] = []
         self.processes: list[mp.process.BaseProcess] = []
         for i, fn in enumerate(env_fns):
@@ -415,7 +400,7 @@ class AsyncPettingZooVecEnv(_PettingZooVecEnvBase):
             inherit = parent if context == "fork" else None
             proc = ctx.Process(
                 target=_worker,
-                args=(i, cloudpickle.dumps(fn), child, inherit),
+                args=(cloudpickle.dumps(fn), child, inherit),
                 name=f"PettingZooVecEnvWorker-{i}",
                 daemon=True,
             )
@@ -440,7 +425,7 @@ class AsyncPettingZooVecEnv(_PettingZooVecEnvBase):
             try:
                 conn.send((command, data))
             except (OSError, ValueError) as exc:
-                self.close(timeout=0.0)
+                self.close(timeout=_ERROR_CLOSE_GRACE_S)
                 raise VecEnvWorkerError(i, f"worker pipe is broken ({exc!r})") from exc
 
     def _recv_all(self, timeout: float | None) -> list[Any]:
@@ -456,13 +441,14 @@ class AsyncPettingZooVecEnv(_PettingZooVecEnvBase):
                     break
                 ok, payload = conn.recv()
             except (EOFError, OSError):
+                self.processes[i].join(1.0)
                 code = self.processes[i].exitcode
                 ok, payload = False, f"worker process died (exit code {code})"
             results.append(payload)
             if not ok and error is None:
                 error = (i, payload)
         if error is not None:
-            self.close(timeout=0.0 if deadline is not None else None)
+            self.close(timeout=0.0 if deadline is not None else _ERROR_CLOSE_GRACE_S)
             raise VecEnvWorkerError(*error)
         return results
 

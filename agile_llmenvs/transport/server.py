@@ -1,19 +1,19 @@
-"""OpenEnvServer: host text envs behind OpenEnv's ``/ws`` protocol, on uvicorn in a thread."""
+"""OpenEnvServer: host text envs behind OpenEnv's ``/ws`` protocol, in a background thread."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
-import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeAlias
 
-import uvicorn
+from websockets.asyncio.server import serve
 
 from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.transport._openenv import Environment
-from agile_llmenvs.transport.asgi import EnvApp, ServerSettings
+from agile_llmenvs.transport.sessions import ServerSettings, SessionHost
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
 
 __all__ = ["OpenEnvServer", "ServerSettings"]
@@ -79,7 +79,7 @@ class OpenEnvServer:
             build = _Fresh(make_env, env_name)
             limit = max_concurrent_envs
             name = env_name or str(getattr(make_env, "__name__", "env"))
-        self.app = EnvApp(
+        self.host_sessions = SessionHost(
             build,
             env_name=name,
             max_sessions=limit,
@@ -87,27 +87,20 @@ class OpenEnvServer:
             settings=settings,
             owns_envs=env is None,
         )
+        self.settings = settings
         self._socket = _bind(host, port)
         self.host = host
         self.port: int = self._socket.getsockname()[1]
         self.advertise_host = advertise_host
-        config = uvicorn.Config(
-            self.app,
-            log_level="warning",
-            ws="websockets-sansio",
-            ws_ping_interval=settings.ws_ping_interval_s,
-            ws_ping_timeout=settings.ws_ping_timeout_s,
-            ws_per_message_deflate=False,
-            ws_max_size=4 * settings.max_message_bytes,
-            lifespan="on",
-            timeout_graceful_shutdown=2,
-        )
-        self._server = uvicorn.Server(config)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._started = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"openenv-server-{self.port}", daemon=True
         )
         self._thread.start()
-        self._wait_started()
+        if not self._started.wait(30.0):
+            raise AgileLLMEnvsError(f"env server on {self.host}:{self.port} did not start")
 
     @property
     def url(self) -> str:
@@ -120,18 +113,18 @@ class OpenEnvServer:
     @property
     def active_sessions(self) -> int:
         """Sessions open right now."""
-        return self.app.active_sessions
+        return self.host_sessions.active_sessions
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop serving: open sessions are closed and the thread joined. Idempotent."""
-        if not self._thread.is_alive():
-            return
-        self._server.should_exit = True
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            self._server.force_exit = True
+        """Stop serving: open sessions are closed (code 1001) and the thread joined.
+
+        Idempotent.
+        """
+        if self._thread.is_alive() and self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(timeout_s)
         self._socket.close()
+        self.host_sessions.executor.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> OpenEnvServer:
         return self
@@ -145,14 +138,24 @@ class OpenEnvServer:
         self.close()
 
     def _run(self) -> None:
-        self._server.run(sockets=[self._socket])
+        asyncio.run(self._serve())
 
-    def _wait_started(self, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise AgileLLMEnvsError(f"env server on {self.host}:{self.port} did not start")
-            time.sleep(0.005)
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        settings = self.settings
+        async with serve(
+            self.host_sessions.handle,
+            sock=self._socket,
+            process_request=self.host_sessions.process_request,
+            compression=None,
+            ping_interval=settings.ws_ping_interval_s,
+            ping_timeout=settings.ws_ping_timeout_s,
+            max_size=4 * settings.max_message_bytes,
+            close_timeout=2.0,
+        ):
+            self._started.set()
+            await self._stop.wait()
 
 
 class _Fresh:
@@ -186,5 +189,4 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise AgileLLMEnvsError(f"cannot bind the env server to {host}:{port}: {exc}") from exc
     sock.listen(2048)
-    sock.setblocking(False)
     return sock

@@ -289,3 +289,36 @@ def test_llm_specs_point_to_their_builders() -> None:
         "env, so build a factory with make_rollout_env_factory",
     ):
         make_env(LLMEnvSpec(env_type="rollout", entrypoint="a:B"))
+
+
+def test_pettingzoo_manifest_builds_an_async_vector_env_that_auto_resets() -> None:
+    from agile_llmenvs.envs.examples import RendezvousEnv
+    from agile_llmenvs.envs.pettingzoo_vec import AsyncPettingZooVecEnv
+
+    manifest = load_manifest(MANIFESTS / "rendezvous_pettingzoo.yaml")
+    env = make_env(manifest.env, multi_agent=manifest.multi_agent)
+    try:
+        assert isinstance(env, AsyncPettingZooVecEnv)
+        assert env.num_envs == 4
+        assert env.possible_agents == ["agent_0", "agent_1"]
+        obs, _ = env.reset(seed=7)
+        reference = RendezvousEnv(size=5, max_steps=10)
+        for index in range(4):
+            expected, _ = reference.reset(seed=7 + index)
+            for agent in env.possible_agents:
+                np.testing.assert_array_equal(obs[agent][index], expected[agent])
+        stay = {agent: np.ones(4, dtype=np.int64) for agent in env.possible_agents}
+        for _ in range(9):
+            obs, rewards, terminations, truncations, infos = env.step(stay)
+            assert truncations["agent_0"].tolist() == [False] * 4
+        own, other = obs["agent_0"][:, 0], obs["agent_0"][:, 1]
+        met = [float(a == b) for a, b in zip(own, other, strict=True)]  # staying never moves
+        obs, rewards, terminations, truncations, infos = env.step(stay)  # step 10: truncated
+        assert rewards["agent_0"].tolist() == met
+        assert truncations["agent_1"].tolist() == [True] * 4
+        assert terminations["agent_0"].tolist() == [False] * 4
+        for index in range(4):
+            assert infos["agent_0"][index]["_autoreset"] is True
+            assert "final_observation" in infos["agent_0"][index]
+    finally:
+        env.close()

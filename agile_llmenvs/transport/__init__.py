@@ -1,0 +1,24 @@
+"""The env wire: OpenEnv types, the wrapper, the server and the in-process and remote clients."""
+
+from __future__ import annotations
+
+from agile_llmenvs.transport.client import EnvClientProtocol, InProcessEnvClient
+from agile_llmenvs.transport.remote import ClientState, RemoteEnvClient
+from agile_llmenvs.transport.server import OpenEnvServer
+from agile_llmenvs.transport.sessions import ServerSettings
+from agile_llmenvs.transport.types import EnvReply, TextAction, TextObservation, TextState
+from agile_llmenvs.transport.wrapper import OpenEnvWrapper
+
+__all__ = [
+    "ClientState",
+    "EnvClientProtocol",
+    "EnvReply",
+    "InProcessEnvClient",
+    "OpenEnvServer",
+    "OpenEnvWrapper",
+    "RemoteEnvClient",
+    "ServerSettings",
+    "TextAction",
+    "TextObservation",
+    "TextState",
+]

@@ -1,0 +1,81 @@
+"""Servers for bench/remote_env.py, each run in its own process: ``python _remote_servers.py KIND``.
+
+Prints the port on stdout once listening, then serves until killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import time
+from typing import Any
+
+PAYLOAD = "x" * 200  # with the JSON framing, frames are about 300 bytes
+
+
+class BenchEnv:
+    """A text env whose step costs nothing: what is measured is the transport."""
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> tuple[str, dict[str, Any]]:
+        self.turn = 0
+        return PAYLOAD, {}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        self.turn += 1
+        return action, 1.0, False, False, {}
+
+    def close(self) -> None:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _echo(port: int) -> None:
+    from websockets.asyncio.server import serve
+
+    async def handler(ws: Any) -> None:
+        async for message in ws:
+            await ws.send(message)
+
+    async with serve(handler, "127.0.0.1", port, compression=None):
+        print(port, flush=True)
+        await asyncio.Future()
+
+
+def _openenv(port: int) -> None:
+    import uvicorn
+    from openenv.core.env_server.http_server import create_app
+
+    from agile_llmenvs.transport import OpenEnvWrapper, TextAction, TextObservation
+
+    app = create_app(lambda: OpenEnvWrapper(BenchEnv(), owns_inner=True), TextAction,
+                     TextObservation, max_concurrent_envs=256)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                            ws_per_message_deflate=False)
+    server = uvicorn.Server(config)
+    print(port, flush=True)
+    server.run()
+
+
+def _ours(port: int) -> None:
+    from agile_llmenvs.transport import OpenEnvServer
+
+    OpenEnvServer(make_env=BenchEnv, port=port, max_concurrent_envs=256)
+    print(port, flush=True)
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    kind, port = sys.argv[1], _free_port()
+    if kind == "floor":
+        asyncio.run(_echo(port))
+    elif kind == "openenv":
+        _openenv(port)
+    else:
+        _ours(port)

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 from gymnasium.vector import SyncVectorEnv
 
-from agile_llmenvs.envs._imports import load_object
+from agile_llmenvs._imports import load_object
 from agile_llmenvs.errors import EnvBuildError
 from agile_llmenvs.specs import BanditEnvSpec
 

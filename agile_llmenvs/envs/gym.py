@@ -11,7 +11,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AsyncVectorEnv, SyncVectorEnv
 
-from agile_llmenvs.envs._imports import load_env_config, load_object
+from agile_llmenvs._imports import load_env_config, load_object
 from agile_llmenvs.errors import AgileLLMEnvsError, EnvBuildError
 from agile_llmenvs.specs import GymEnvSpec
 

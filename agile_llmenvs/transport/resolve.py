@@ -1,0 +1,163 @@
+"""From a manifest's env source to something a rollout can reach: a factory or a hosted URL."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from packaging.requirements import InvalidRequirement, Requirement
+
+from agile_llmenvs._imports import load_object
+from agile_llmenvs.errors import EnvBuildError, ImportPathError
+from agile_llmenvs.llm_envs.contract import TextEnv
+from agile_llmenvs.transport.server import OpenEnvServer
+
+__all__ = ["ensure_env_packages", "env_factory", "resolve_env", "spec_to_factory"]
+
+_URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
+
+
+def spec_to_factory(spec: str) -> Callable[..., TextEnv]:
+    """Resolve a ``module:attr`` constructor path to the callable that builds the env.
+
+    Registry ids (``game:GuessTheNumber-v0-easy``, ``CartPole-v1``) are not constructors:
+    pass those as the entrypoint of a separate ``factory`` (see :func:`env_factory`).
+
+    Raises:
+        ImportPathError: the path does not resolve to a callable.
+    """
+    try:
+        target = load_object(spec)
+    except ImportPathError as exc:
+        raise ImportPathError(
+            f"{exc}. If {spec!r} is a registry id rather than a 'module:Class' path, pass it "
+            "as the entrypoint with a factory that builds it, e.g. factory='gem:make'"
+        ) from exc
+    if not callable(target):
+        raise ImportPathError(f"{spec!r} resolves to a {type(target).__name__}, not a callable")
+    return target
+
+
+def env_factory(
+    entrypoint: str, env_config: Mapping[str, Any] | None = None, *, factory: str | None = None
+) -> Callable[[], TextEnv]:
+    """A zero-argument callable building a fresh env per call.
+
+    With ``factory``, the env is ``factory(entrypoint, **env_config)`` (a registry id handed
+    to, say, ``gem:make``); without, ``entrypoint`` is a ``module:Class`` path called with
+    ``**env_config``.
+    """
+    kwargs = dict(env_config or {})
+    if factory is not None:
+        make = load_object(factory)
+        if not callable(make):
+            raise ImportPathError(f"factory {factory!r} is not callable")
+        return lambda: make(entrypoint, **kwargs)
+    constructor = spec_to_factory(entrypoint)
+    return lambda: constructor(**kwargs)
+
+
+def resolve_env(
+    spec: str,
+    env_config: Mapping[str, Any] | None = None,
+    *,
+    factory: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_concurrent_envs: int | None = None,
+    advertise_host: str | None = None,
+    env_packages: Mapping[str, Sequence[str]] | None = None,
+    allow_install: bool = False,
+    token: str | None = None,
+) -> tuple[str, OpenEnvServer | None]:
+    """Resolve an env spec to a ``(url, server)`` a rollout can reach.
+
+    A URL is already hosted: ``(url, None)``. Anything else is built and hosted on a local
+    :class:`OpenEnvServer`, a fresh env per ``/ws`` session, at most
+    ``max_concurrent_envs`` at once (unset: one at a time). For GRPO set it to at least
+    ``batch_size * group_size`` (+1 for a lazily built eval env).
+
+    Args:
+        spec: A URL, a ``module:Class`` entrypoint, or a registry id used with ``factory``.
+        env_config: Keyword arguments for the env.
+        factory: ``module:attr`` callable receiving ``spec`` (e.g. ``gem:make``).
+        host: Interface the server binds.
+        port: Port the server binds (0: any free port).
+        max_concurrent_envs: Sessions served at once.
+        advertise_host: Host clients should dial, when not ``host``.
+        env_packages: Requirements the env needs (``{"pip": [...]}`` or ``{"uv": [...]}``).
+        allow_install: Install missing ``env_packages`` (otherwise a missing one is an error).
+        token: Shared secret clients must present.
+    """
+    if spec.startswith(_URL_SCHEMES):
+        return spec, None
+    ensure_env_packages(env_packages, allow_install=allow_install)
+    make_env = env_factory(spec, env_config, factory=factory)
+    server = OpenEnvServer(
+        make_env=make_env,
+        host=host,
+        port=port,
+        env_name=spec,
+        max_concurrent_envs=max_concurrent_envs or 1,
+        advertise_host=advertise_host,
+        token=token,
+    )
+    return server.url, server
+
+
+def ensure_env_packages(
+    env_packages: Mapping[str, Sequence[str]] | None, *, allow_install: bool
+) -> list[str]:
+    """Make sure the env's declared requirements are installed; returns what was installed.
+
+    Raises:
+        EnvBuildError: a requirement is missing and ``allow_install`` is False, cannot be
+            parsed, or fails to install; the message names the package.
+    """
+    missing: list[tuple[str, str]] = []
+    for installer, requirements in (env_packages or {}).items():
+        missing += [(installer, r) for r in requirements if not _satisfied(r)]
+    if not missing:
+        return []
+    names = [requirement for _, requirement in missing]
+    if not allow_install:
+        raise EnvBuildError(
+            f"env_packages: {', '.join(map(repr, names))} not installed; install with "
+            f"`pip install {' '.join(names)}`, or let the first build install them "
+            "(allow_install=True)"
+        )
+    for installer in dict.fromkeys(installer for installer, _ in missing):
+        batch = [r for i, r in missing if i == installer]
+        _install(installer, batch)
+    return names
+
+
+def _satisfied(requirement: str) -> bool:
+    try:
+        parsed = Requirement(requirement)
+    except InvalidRequirement as exc:
+        raise EnvBuildError(f"env_packages: cannot parse {requirement!r}: {exc}") from exc
+    try:
+        version = importlib.metadata.version(parsed.name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return parsed.specifier.contains(version, prereleases=True)
+
+
+def _install(installer: str, requirements: list[str]) -> None:
+    if installer == "uv" and shutil.which("uv") is not None:
+        command = ["uv", "pip", "install", "--python", sys.executable, *requirements]
+    else:
+        command = [sys.executable, "-m", "pip", "install", *requirements]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        raise EnvBuildError(
+            f"env_packages: installing {', '.join(map(repr, requirements))} failed "
+            f"(exit {done.returncode}):\n{tail}"
+        )
+    importlib.invalidate_caches()

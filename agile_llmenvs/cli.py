@@ -60,6 +60,33 @@ def _schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from agile_llmenvs.transport.resolve import resolve_env
+
+    env_config = json.loads(args.env_config) if args.env_config else None
+    url, server = resolve_env(
+        args.entrypoint,
+        env_config,
+        factory=args.factory,
+        host=args.host,
+        port=args.port,
+        max_concurrent_envs=args.max_concurrent_envs,
+        advertise_host=args.advertise_host,
+        token=args.token,
+    )
+    assert server is not None, "serve takes an entrypoint, not a URL"
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    print(f"serving {args.entrypoint} at {url} (sessions at {url}/ws)", flush=True)
+    stop.wait()
+    server.close()
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="agile-llmenvs", description="The environment layer of LLM reinforcement learning."
@@ -71,6 +98,21 @@ def _parser() -> argparse.ArgumentParser:
     schema = commands.add_parser("schema", help="print the JSON Schema of run manifests")
     schema.add_argument("-o", "--output", type=Path, help="write to this file instead")
     schema.set_defaults(run=_schema)
+    serve = commands.add_parser("serve", help="host an env over OpenEnv's WebSocket protocol")
+    serve.add_argument("entrypoint", help="module:Class, or a registry id with --factory")
+    serve.add_argument("--factory", help="module:attr callable that receives the entrypoint")
+    serve.add_argument("--env-config", help="JSON object of keyword arguments for the env")
+    serve.add_argument(
+        "--max-concurrent-envs",
+        type=int,
+        default=None,
+        help="sessions served at once, a fresh env each (default 1)",
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--advertise-host", help="host clients should dial, if not --host")
+    serve.add_argument("--token", help="shared secret clients must present")
+    serve.set_defaults(run=_serve)
     return parser
 
 

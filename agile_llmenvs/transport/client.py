@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from agile_llmenvs.errors import AgileLLMEnvsError, EnvExecutionError, EnvStateError
-from agile_llmenvs.llm_envs.contract import TextEnv
+from agile_llmenvs.errors import AgileLLMEnvsError, EnvStateError
 from agile_llmenvs.transport._openenv import Environment
-from agile_llmenvs.transport.protocol import observation_frame
+from agile_llmenvs.transport.protocol import code_for_exception, error_from_wire, observation_frame
 from agile_llmenvs.transport.types import EnvReply, TextAction
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
+
+if TYPE_CHECKING:
+    from agile_llmenvs.llm_envs.contract import TextEnv
 
 __all__ = ["EnvClientProtocol", "InProcessEnvClient"]
 
@@ -40,8 +42,10 @@ class InProcessEnvClient:
     """Drives an environment object living in this process: no server, no sockets.
 
     A plain text env is wrapped in :class:`OpenEnvWrapper` and every reply goes through the
-    same serialisation as on the wire, so an env behaves exactly as it would when hosted
-    (including env exceptions surfacing as :class:`~agile_llmenvs.errors.EnvExecutionError`).
+    same serialisation as on the wire, so an env behaves exactly as it would when hosted:
+    the same replies, and the same error types (an env exception is an
+    :class:`~agile_llmenvs.errors.EnvExecutionError`, a bad action an
+    :class:`~agile_llmenvs.errors.EnvProtocolError`).
     An OpenEnv ``Environment`` is used as it is.
 
     Args:
@@ -67,7 +71,7 @@ class InProcessEnvClient:
     def step(self, text: str) -> EnvReply:
         """Send ``text`` in the action's ``action_field``."""
         self._check_open()
-        action = self.action_cls(**{self.action_field: text})
+        action = self._call(self.action_cls, **{self.action_field: text})
         return _reply(self._call(self.env.step, action))
 
     def state(self) -> dict[str, Any]:
@@ -93,14 +97,18 @@ class InProcessEnvClient:
 
     @staticmethod
     def _call(method: Any, *args: Any, **kwargs: Any) -> Any:
+        """Call into the env, raising what a remote client would for the same failure."""
         try:
             return method(*args, **kwargs)
         except AgileLLMEnvsError:
             raise
         except Exception as exc:
-            raise EnvExecutionError(
-                f"in-process env: {type(exc).__name__}: {exc}", code="EXECUTION_ERROR"
-            ) from exc
+            message = {
+                "code": code_for_exception(exc),
+                "message": f"{type(exc).__name__}: {exc}",
+                "error_type": type(exc).__name__,
+            }
+            raise error_from_wire(message, url="in-process env") from exc
 
 
 def _reply(observation: Any) -> EnvReply:

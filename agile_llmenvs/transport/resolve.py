@@ -7,14 +7,16 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packaging.requirements import InvalidRequirement, Requirement
 
 from agile_llmenvs._imports import load_object
 from agile_llmenvs.errors import EnvBuildError, ImportPathError
-from agile_llmenvs.llm_envs.contract import TextEnv
 from agile_llmenvs.transport.server import OpenEnvServer
+
+if TYPE_CHECKING:
+    from agile_llmenvs.llm_envs.contract import TextEnv
 
 __all__ = ["ensure_env_packages", "env_factory", "resolve_env", "spec_to_factory"]
 

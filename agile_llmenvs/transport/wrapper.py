@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from agile_llmenvs.llm_envs.contract import TextEnv
 from agile_llmenvs.transport._openenv import Environment, EnvironmentMetadata
 from agile_llmenvs.transport.types import TextAction, TextObservation, TextState
+
+if TYPE_CHECKING:
+    from agile_llmenvs.llm_envs.contract import TextEnv
 
 __all__ = ["OpenEnvWrapper", "jsonable"]
 

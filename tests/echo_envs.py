@@ -1,0 +1,59 @@
+"""Text envs for the transport tests: importable by path, so servers in subprocesses build them.
+
+Every observation names the action it answers, so a test can check each reply against its
+own request.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+
+class EchoEnv:
+    """Echoes each action with a turn counter; ``stop`` terminates, ``sleep:S`` waits S s,
+    ``boom`` raises ``ValueError``."""
+
+    dataset_size = 3
+    max_turns = 5
+
+    def __init__(self, greeting: str = "start") -> None:
+        self.greeting = greeting
+        self.turn = 0
+        self.closed = False
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> tuple[str, dict[str, Any]]:
+        self.turn = 0
+        return f"{self.greeting} seed={seed}", {"task": task, "seed": seed}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if action == "boom":
+            raise ValueError("the env exploded")
+        if action.startswith("sleep:"):
+            time.sleep(float(action.split(":", 1)[1]))
+        self.turn += 1
+        done = action == "stop"
+        info: dict[str, Any] = {"turn": np.int64(self.turn), "scores": (1.5, 2.5)}
+        if done:
+            info.update(question="what to say?", answer="stop")
+        truncated = self.turn >= self.max_turns and not done
+        return f"{self.turn}:{action}", float(self.turn), done, truncated, info
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def make(env_id: str, **kwargs: Any) -> EchoEnv:
+    """A registry-style factory: ``make("echo-v0", greeting=...)``."""
+    if env_id != "echo-v0":
+        raise KeyError(f"unknown env id {env_id!r}")
+    return EchoEnv(**kwargs)
+
+
+class BrokenFactoryEnv:
+    """An env whose constructor fails, for FACTORY_ERROR."""
+
+    def __init__(self) -> None:
+        raise RuntimeError("cannot build this env")

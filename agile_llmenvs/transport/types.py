@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,9 +63,14 @@ class EnvReply:
 
     @property
     def prompt(self) -> str:
-        """The observation's text: ``prompt`` for text envs, else the whole observation."""
+        """The observation's text: ``prompt`` for text envs, the text of an MCP tool's result
+        (or its error) for tool calls, else the observation as JSON."""
         prompt = self.observation.get("prompt")
-        return prompt if isinstance(prompt, str) else str(self.observation)
+        if isinstance(prompt, str):
+            return prompt
+        if "tool_name" in self.observation:
+            return _tool_text(self.observation)
+        return json.dumps(self.observation)
 
     @property
     def truncated(self) -> bool:
@@ -84,3 +90,18 @@ class EnvReply:
             done=bool(data.get("done", False)),
             metadata=dict(metadata),
         )
+
+
+def _tool_text(observation: dict[str, Any]) -> str:
+    """The text of an OpenEnv ``CallToolObservation``: its error, or its content's text."""
+    error = observation.get("error")
+    if error:
+        return f"Error: {error.get('message', error) if isinstance(error, dict) else error}"
+    result = observation.get("result")
+    if isinstance(result, dict):
+        texts = [c.get("text", "") for c in result.get("content") or [] if isinstance(c, dict)]
+        if texts:
+            return "\n".join(texts)
+        if result.get("data") is not None:
+            return str(result["data"])
+    return result if isinstance(result, str) else json.dumps(result)

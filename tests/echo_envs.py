@@ -57,3 +57,6 @@ class BrokenFactoryEnv:
 
     def __init__(self) -> None:
         raise RuntimeError("cannot build this env")
+
+
+SESSION_COUNT = 0

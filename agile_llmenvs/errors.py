@@ -136,6 +136,6 @@ class StaleStateError(AgileLLMEnvsError, ValueError):
 
 
 class EnvStateError(EnvError):
-    """A client call made in the wrong lifecycle state (step before reset, after close)."""
+    """A call made in the wrong lifecycle state (step before reset, after close, after done)."""
 
     code = "INVALID_STATE"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from agile_llmenvs.errors import AgileLLMEnvsError, EnvStateError
-from agile_llmenvs.transport._openenv import Environment
+from agile_llmenvs.errors import AgileLLMEnvsError, EnvProtocolError, EnvStateError
+from agile_llmenvs.transport._openenv import CallToolAction, Environment
 from agile_llmenvs.transport.protocol import code_for_exception, error_from_wire, observation_frame
 from agile_llmenvs.transport.types import EnvReply, TextAction
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
@@ -14,7 +14,7 @@ from agile_llmenvs.transport.wrapper import OpenEnvWrapper
 if TYPE_CHECKING:
     from agile_llmenvs.llm_envs.contract import TextEnv
 
-__all__ = ["EnvClientProtocol", "InProcessEnvClient"]
+__all__ = ["EnvClientProtocol", "InProcessEnvClient", "SupportsToolCalls"]
 
 
 @runtime_checkable
@@ -35,6 +35,15 @@ class EnvClientProtocol(Protocol):
 
     def close(self) -> None:
         """Release the env."""
+        ...
+
+
+@runtime_checkable
+class SupportsToolCalls(Protocol):
+    """A client that can call an env's MCP tools."""
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> EnvReply:
+        """Call tool ``name`` with ``arguments``."""
         ...
 
 
@@ -72,6 +81,20 @@ class InProcessEnvClient:
         """Send ``text`` in the action's ``action_field``."""
         self._check_open()
         action = self._call(self.action_cls, **{self.action_field: text})
+        return _reply(self._call(self.env.step, action))
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> EnvReply:
+        """Call an MCP tool of an OpenEnv MCP environment.
+
+        Raises:
+            EnvProtocolError: the env takes text actions, not tool calls.
+        """
+        self._check_open()
+        if isinstance(self.env, OpenEnvWrapper):
+            raise EnvProtocolError(
+                f"in-process env {self.env.env_name!r} takes text actions, not tool calls"
+            )
+        action = self._call(CallToolAction, tool_name=name, arguments=arguments)
         return _reply(self._call(self.env.step, action))
 
     def state(self) -> dict[str, Any]:

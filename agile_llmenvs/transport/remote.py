@@ -112,6 +112,10 @@ class RemoteEnvClient:
         """Send the policy's text; returns the env's reply."""
         return SESSION_LOOP.run(self.astep(text))
 
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> EnvReply:
+        """Call an MCP tool of the env (``call_tool`` as an OpenEnv step)."""
+        return SESSION_LOOP.run(self.acall_tool(name, arguments))
+
     def state(self) -> dict[str, Any]:
         """The env's OpenEnv state."""
         return SESSION_LOOP.run(self.astate())
@@ -153,6 +157,15 @@ class RemoteEnvClient:
 
     async def astep(self, text: str) -> EnvReply:
         """Async :meth:`step`; must run on the session loop."""
+        if self.mcp_tool is not None:
+            return await self.acall_tool(self.mcp_tool, {self.action_field: text})
+        return await self._astep({self.action_field: text})
+
+    async def acall_tool(self, name: str, arguments: dict[str, Any]) -> EnvReply:
+        """Async :meth:`call_tool`; must run on the session loop."""
+        return await self._astep({"type": "call_tool", "tool_name": name, "arguments": arguments})
+
+    async def _astep(self, data: dict[str, Any]) -> EnvReply:
         async with self._guard():
             if self.state_ is ClientState.LOST:
                 raise EnvConnectionError(
@@ -163,14 +176,6 @@ class RemoteEnvClient:
                 raise EnvStateError(
                     f"{self.url or 'client'}: step() before reset() (state {self.state_.value})"
                 )
-            if self.mcp_tool is not None:
-                data: dict[str, Any] = {
-                    "type": "call_tool",
-                    "tool_name": self.mcp_tool,
-                    "arguments": {self.action_field: text},
-                }
-            else:
-                data = {self.action_field: text}
             return await self._exchange({"type": "step", "data": data})
 
     async def astate(self) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Text envs for the transport tests: importable by path, so servers in subprocesses build them.
+"""Text envs for the transport and rollout tests: importable by path, so servers in
+subprocesses build them.
 
 Every observation names the action it answers, so a test can check each reply against its
 own request.
@@ -7,6 +8,7 @@ own request.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -60,3 +62,31 @@ class BrokenFactoryEnv:
 
 
 SESSION_COUNT = 0
+
+
+class ScriptedEnv:
+    """Shows ``observations[0]`` on reset and ``observations[k + 1]`` after turn ``k``.
+
+    The reward of turn ``k`` is ``k + 1``; the env terminates after the last observation,
+    or truncates there when ``truncate`` is set. Every action is recorded.
+    """
+
+    def __init__(self, observations: Sequence[str], *, truncate: bool = False) -> None:
+        self.observations = list(observations)
+        self.truncate = truncate
+        self.actions: list[str] = []
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> tuple[str, dict[str, Any]]:
+        self.actions = []
+        return self.observations[0], {"task": task}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        self.actions.append(action)
+        turn = len(self.actions)
+        last = turn >= len(self.observations) - 1
+        observation = self.observations[min(turn, len(self.observations) - 1)]
+        terminated, truncated = (last and not self.truncate), (last and self.truncate)
+        return observation, float(turn), terminated, truncated, {"turn": turn}
+
+    def close(self) -> None:
+        pass

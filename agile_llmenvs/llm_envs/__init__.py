@@ -9,6 +9,9 @@ from agile_llmenvs.llm_envs.contract import (
     SupportsTools,
     TextEnv,
 )
+from agile_llmenvs.llm_envs.episode import EpisodeData, StopReason, TokenSample, TurnResult
+from agile_llmenvs.llm_envs.framing import ChatTemplateError, apply_chat_template
+from agile_llmenvs.llm_envs.harness import HarnessConfig, RolloutHarness
 from agile_llmenvs.transport import (
     EnvReply,
     InProcessEnvClient,
@@ -21,11 +24,16 @@ from agile_llmenvs.transport import (
 from agile_llmenvs.transport.resolve import resolve_env, spec_to_factory
 
 __all__ = [
+    "ChatTemplateError",
     "EnvReply",
+    "EpisodeData",
+    "HarnessConfig",
     "InProcessEnvClient",
     "OpenEnvServer",
     "OpenEnvWrapper",
     "RemoteEnvClient",
+    "RolloutHarness",
+    "StopReason",
     "SupportsDatasetSize",
     "SupportsMaxTurns",
     "SupportsSnapshot",
@@ -33,6 +41,9 @@ __all__ = [
     "TextAction",
     "TextEnv",
     "TextObservation",
+    "TokenSample",
+    "TurnResult",
+    "apply_chat_template",
     "resolve_env",
     "spec_to_factory",
 ]

@@ -1,0 +1,396 @@
+"""RolloutHarness: token-exact multi-turn rollouts over any env client.
+
+The harness owns tokenisation, the turn loop and the provenance mask. Training data is built
+only from ids: the first prompt's, the policy's sampled ids, and the frame and observation ids
+the harness inserts. Text is decoded only to send the action to the env, never to rebuild a
+past turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from agile_llmenvs.errors import EnvError, EnvStateError
+from agile_llmenvs.llm_envs.episode import EpisodeData, StopReason, TokenSample, TurnResult
+from agile_llmenvs.llm_envs.framing import ChatFramer
+from agile_llmenvs.llm_envs.restart import TurnText, restart_messages
+from agile_llmenvs.llm_envs.tool_calls import parse_tool_calls
+from agile_llmenvs.transport.client import EnvClientProtocol, InProcessEnvClient
+from agile_llmenvs.transport.remote import RemoteEnvClient
+from agile_llmenvs.transport.types import EnvReply
+
+__all__ = ["HarnessConfig", "RolloutHarness"]
+
+MALFORMED_FEEDBACK = (
+    "Error: your tool call could not be parsed ({reason}). Call a tool as "
+    '<tool_call>{{"name": "...", "arguments": {{...}}}}</tool_call>.'
+)
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    """Settings of a :class:`RolloutHarness` (the reference's keyword names).
+
+    Attributes:
+        max_turns: Turns before the episode is truncated (``StopReason.MAX_TURNS``).
+        timeout_s: Per-message timeout of a remote env client.
+        mcp_tool: Send actions as calls of this MCP tool (a parsed ``<tool_call>`` names its
+            own tool).
+        action_field: Action field (or MCP argument) carrying the text.
+        observation_field: Observation field holding the prompt text (default ``prompt``).
+        observation_processor: Turns an observation dict into prompt text.
+        instruction: Text put before the first observation.
+        strict_chat_template_boundary: Raise when the chat template cannot be sliced into
+            turn frames (otherwise frame as ChatML, with a warning).
+        apply_chat_template: Frame prompts with the chat template (False: raw text).
+        chat_template_kwargs: Extra keyword arguments for the chat template.
+        max_model_len: Context budget: an over-long first prompt ends the episode at turn 0
+            (``PROMPT_LIMIT``); a later overflow ends it at the last generation
+            (``CONTEXT_LIMIT``).
+        system_prompt: System message of every prompt.
+        tasks: Per-row reset kwargs; ``reset(row_index=i)`` merges ``tasks[i]``.
+        eval_tasks: Held-out per-row reset kwargs used in eval mode.
+        segment_prompt_tokens: Restart the context (a new training sample) when it would pass
+            this many tokens.
+        segment_max_images: Accepted for manifests; images are not supported yet.
+        restart_keep_turns: Latest turns kept verbatim in a restarted context.
+        action_error_field: Observation (or info) field where the env reports an invalid
+            action; its value is recorded in ``info["action_error"]``.
+        malformed_tool_call_reward: Reward of a turn whose tool call could not be parsed.
+    """
+
+    max_turns: int = 1
+    timeout_s: float | None = None
+    mcp_tool: str | None = None
+    action_field: str = "message"
+    observation_field: str | None = None
+    observation_processor: Callable[[Any], str] | None = None
+    instruction: str = ""
+    strict_chat_template_boundary: bool = True
+    apply_chat_template: bool = True
+    chat_template_kwargs: Mapping[str, Any] | None = None
+    max_model_len: int | None = None
+    system_prompt: str | None = None
+    tasks: Sequence[Mapping[str, Any]] | None = None
+    eval_tasks: Sequence[Mapping[str, Any]] | None = None
+    segment_prompt_tokens: int | None = None
+    segment_max_images: int | None = None
+    restart_keep_turns: int = 0
+    action_error_field: str = ""
+    malformed_tool_call_reward: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_model_len", "segment_prompt_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.restart_keep_turns < 0:
+            raise ValueError(f"restart_keep_turns must be >= 0, got {self.restart_keep_turns}")
+
+
+@dataclass
+class _Episode:
+    """Per-episode state, apart from configuration."""
+
+    ids: list[int] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    turn_ids: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    samples: list[TokenSample] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    texts: list[TurnText] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    prompt_text: str = ""
+    stop_reason: StopReason | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def turn(self) -> int:
+        return len(self.rewards)
+
+    def append(self, ids: Sequence[int], *, turn: int | None) -> None:
+        """Append ids; ``turn`` is the turn index when the policy sampled them, else None."""
+        if not ids:
+            return
+        start = 0
+        if not self.ids:
+            self.ids.append(ids[0])
+            start = 1
+        count = len(ids) - start
+        self.ids.extend(ids[start:])
+        self.mask.extend([turn is not None] * count)
+        self.turn_ids.extend([-1 if turn is None else turn] * count)
+
+    def close_sample(self) -> None:
+        """Store the current sequence as a finished sample and start an empty one."""
+        if self.ids:
+            self.samples.append(
+                TokenSample(
+                    tuple(self.ids), tuple(self.mask), tuple(self.turn_ids), tuple(self.logps)
+                )
+            )
+        self.ids, self.mask, self.turn_ids, self.logps = [], [], [], []
+
+
+class RolloutHarness:
+    """Token-level rollout env: tokenisation and the turn loop over a text env client.
+
+    ``reset`` returns the first prompt's ids; ``step`` takes the ids the policy sampled
+    (and optionally their log-probs), sends the decoded action to the env and returns the ids
+    to append before the next generation; :meth:`get_episode_data` returns the token-exact
+    training samples with the provenance mask.
+
+    Args:
+        env_client: A URL (or a callable returning one) of an OpenEnv server, or any env
+            client (:class:`InProcessEnvClient`, :class:`RemoteEnvClient`, ...).
+        tokenizer: The policy's Hugging Face tokenizer.
+        max_turns: Turns before truncation.
+        config: All other settings at once; keyword arguments override its fields.
+        **settings: Any :class:`HarnessConfig` field, by name.
+    """
+
+    def __init__(
+        self,
+        env_client: str | Callable[[], str] | EnvClientProtocol,
+        tokenizer: Any,
+        max_turns: int = 1,
+        *,
+        config: HarnessConfig | None = None,
+        **settings: Any,
+    ) -> None:
+        if settings.pop("vision_processor", None) is not None:
+            raise NotImplementedError("vision_processor: image observations are not supported")
+        self.config = replace(config or HarnessConfig(), max_turns=max_turns, **settings)
+        self.tokenizer = tokenizer
+        if isinstance(env_client, str) or (
+            callable(env_client) and not hasattr(env_client, "reset")
+        ):
+            env_client = RemoteEnvClient(
+                env_client, timeout_s=self.config.timeout_s, action_field=self.config.action_field
+            )
+        self.client: Any = env_client
+        self.framer = ChatFramer(
+            tokenizer,
+            strict=self.config.strict_chat_template_boundary,
+            use_template=self.config.apply_chat_template,
+            chat_template_kwargs=self.config.chat_template_kwargs,
+        )
+        self.eval = False
+        self._episode: _Episode | None = None
+
+    @classmethod
+    def local(cls, env: Any, tokenizer: Any, max_turns: int = 1, **settings: Any) -> RolloutHarness:
+        """A harness over an env in this process (no server, no sockets)."""
+        client = InProcessEnvClient(env, action_field=settings.get("action_field", "message"))
+        return cls(client, tokenizer, max_turns, **settings)
+
+    @classmethod
+    def from_spec(cls, spec: Any, tokenizer: Any, **settings: Any) -> RolloutHarness:
+        """A harness for a URL, a ``module:Class`` entrypoint, or an ``LLMEnvSpec``."""
+        from agile_llmenvs.llm_envs.from_spec import harness_from_spec
+
+        return harness_from_spec(cls, spec, tokenizer, **settings)
+
+    # -- the episode -------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        """Whether the current episode has ended (True before the first reset)."""
+        return self._episode is None or self._episode.stop_reason is not None
+
+    @property
+    def context_ids(self) -> list[int]:
+        """A copy of the current sample's ids: the prompt of the next generation."""
+        return list(self._require_episode().ids)
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> list[int]:
+        """Start an episode and return the first prompt's ids.
+
+        ``row_index`` selects an entry of ``tasks`` (``eval_tasks`` in eval mode), merged
+        into the env's reset kwargs. When the prompt alone is over ``max_model_len`` the
+        episode is already over (``done``, ``StopReason.PROMPT_LIMIT``).
+        """
+        rows = self.config.eval_tasks if self.eval and self.config.eval_tasks else self.config.tasks
+        if rows is not None and task.get("row_index") is not None:
+            index = int(task["row_index"])
+            if not 0 <= index < len(rows):
+                raise IndexError(f"row_index {index} is outside the {len(rows)} tasks")
+            task = {**rows[index], **task}
+        reply = self.client.reset(seed=seed, **task)
+        episode = self._episode = _Episode(info=dict(reply.metadata))
+        episode.prompt_text = self._observation_text(reply)
+        head = "\n\n".join(filter(None, [self.config.instruction, episode.prompt_text]))
+        episode.messages = [*self._system(), {"role": "user", "content": head}]
+        ids = self.framer.prompt(episode.messages)
+        episode.append(ids, turn=None)
+        limit = self.config.max_model_len
+        if limit is not None and len(ids) > limit:
+            episode.info["prompt_limit"] = {"prompt_tokens": len(ids), "max_model_len": limit}
+            self._finish(StopReason.PROMPT_LIMIT)
+        return list(ids)
+
+    def step(
+        self, completion_ids: Sequence[int], sampling_logps: Sequence[float] | None = None
+    ) -> TurnResult:
+        """Play one turn with the ids the policy sampled.
+
+        Raises:
+            EnvStateError: the episode is over (or was never started).
+            ValueError: ``sampling_logps`` does not have one value per sampled id.
+        """
+        episode = self._require_episode()
+        if episode.stop_reason is not None:
+            raise EnvStateError(f"the episode is over ({episode.stop_reason}); call reset()")
+        if sampling_logps is not None and len(sampling_logps) != len(completion_ids):
+            raise ValueError(
+                f"sampling_logps has {len(sampling_logps)} values for "
+                f"{len(completion_ids)} sampled ids"
+            )
+        turn = episode.turn
+        episode.append(completion_ids, turn=turn)
+        episode.logps.extend(float(x) for x in sampling_logps or ())
+        action = self.tokenizer.decode(list(completion_ids), skip_special_tokens=True)
+        reply, reward, info = self._act(action)
+        episode.rewards.append(reward)
+        episode.info.update(info)
+        if reply is None and "error" in info:
+            return self._end(StopReason.ENV_ERROR, reward, info)
+        if reply is not None and reply.done:
+            reason = StopReason.TRUNCATED if reply.truncated else StopReason.TERMINATED
+            return self._end(reason, reward, info)
+        if episode.turn >= self.config.max_turns:
+            return self._end(StopReason.MAX_TURNS, reward, info)
+        observation = self._observation_text(reply) if reply is not None else info["feedback"]
+        return self._next_prompt(completion_ids, action, observation, reward, info)
+
+    def get_episode_data(self) -> EpisodeData:
+        """The finished episode's token-exact samples, rewards and stop reason.
+
+        Raises:
+            EnvStateError: the episode is still running.
+        """
+        episode = self._require_episode()
+        if episode.stop_reason is None:
+            raise EnvStateError("get_episode_data() before the episode ended")
+        return EpisodeData(
+            tuple(episode.samples), tuple(episode.rewards), episode.stop_reason, dict(episode.info)
+        )
+
+    def eval_mode(self) -> None:
+        """Select reset kwargs from ``eval_tasks`` (when given)."""
+        self.eval = True
+
+    def train_mode(self) -> None:
+        """Select reset kwargs from ``tasks`` again."""
+        self.eval = False
+
+    def close(self) -> None:
+        """Close the env client."""
+        self.client.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _act(self, action: str) -> tuple[EnvReply | None, float, dict[str, Any]]:
+        """Send the action; a malformed tool call or an env failure never reaches the caller
+        as an exception."""
+        config = self.config
+        parsed = parse_tool_calls(action) if config.mcp_tool else None
+        if parsed is not None and parsed.error is not None:
+            feedback = MALFORMED_FEEDBACK.format(reason=parsed.error)
+            info = {"malformed_tool_call": parsed.error, "feedback": feedback}
+            return None, config.malformed_tool_call_reward, info
+        try:
+            if parsed is not None and parsed.calls:
+                call = parsed.calls[0]
+                reply = self.client.call_tool(call.name, call.arguments)
+            elif config.mcp_tool is not None:
+                reply = self.client.call_tool(config.mcp_tool, {config.action_field: action})
+            else:
+                reply = self.client.step(action)
+        except EnvError as exc:
+            return None, 0.0, {"error": f"{type(exc).__name__}: {exc}"}
+        info = dict(reply.metadata)
+        field_name = config.action_error_field
+        if field_name:
+            error = reply.observation.get(field_name) or reply.metadata.get(field_name)
+            if error:
+                info["action_error"] = error
+        return reply, float(reply.reward or 0.0), info
+
+    def _next_prompt(
+        self,
+        completion_ids: Sequence[int],
+        action: str,
+        observation: str,
+        reward: float,
+        info: dict[str, Any],
+    ) -> TurnResult:
+        episode = self._require_episode()
+        episode.texts.append(TurnText(episode.prompt_text, action))
+        episode.messages += [
+            {"role": "assistant", "content": action},
+            {"role": "user", "content": observation},
+        ]
+        episode.prompt_text = observation
+        config = self.config
+        new_sample = not self.framer.prefix_stable
+        if new_sample:  # the template rewrites earlier turns: the policy sees a re-rendering
+            ids = self.framer.prompt(episode.messages)
+        else:
+            ids = self.framer.turn_ids(completion_ids, observation)
+            budget = config.segment_prompt_tokens
+            if budget is not None and len(episode.ids) + len(ids) > budget:
+                new_sample = True
+                ids = self.framer.prompt(
+                    restart_messages(
+                        episode.texts,
+                        observation,
+                        keep_turns=config.restart_keep_turns,
+                        instruction=config.instruction,
+                        system_prompt=config.system_prompt,
+                    )
+                )
+        context = len(ids) if new_sample else len(episode.ids) + len(ids)
+        if config.max_model_len is not None and context >= config.max_model_len:
+            episode.info["context_limit"] = {
+                "context_tokens": context,
+                "max_model_len": config.max_model_len,
+            }
+            return self._end(StopReason.CONTEXT_LIMIT, reward, info)
+        if new_sample:
+            episode.close_sample()
+        episode.append(ids, turn=None)
+        return TurnResult(list(ids), reward, False, info, new_sample)
+
+    def _end(self, reason: StopReason, reward: float, info: dict[str, Any]) -> TurnResult:
+        self._finish(reason)
+        return TurnResult([], reward, True, info)
+
+    def _finish(self, reason: StopReason) -> None:
+        episode = self._require_episode()
+        episode.stop_reason = reason
+        episode.close_sample()
+
+    def _observation_text(self, reply: EnvReply) -> str:
+        config = self.config
+        if config.observation_processor is not None:
+            return str(config.observation_processor(reply.observation))
+        if config.observation_field is not None:
+            if config.observation_field not in reply.observation:
+                raise KeyError(
+                    f"observation_field {config.observation_field!r} is not in the "
+                    f"observation; it has {sorted(reply.observation)}"
+                )
+            return str(reply.observation[config.observation_field])
+        return reply.prompt
+
+    def _system(self) -> list[dict[str, Any]]:
+        prompt = self.config.system_prompt
+        return [{"role": "system", "content": prompt}] if prompt else []
+
+    def _require_episode(self) -> _Episode:
+        if self._episode is None:
+            raise EnvStateError("call reset() first")
+        return self._episode

@@ -201,6 +201,11 @@ class RolloutHarness:
         return self._episode is None or self._episode.stop_reason is not None
 
     @property
+    def info(self) -> dict[str, Any]:
+        """The current episode's info so far (env info plus the harness's keys)."""
+        return dict(self._require_episode().info)
+
+    @property
     def context_ids(self) -> list[int]:
         """A copy of the current sample's ids: the prompt of the next generation."""
         return list(self._require_episode().ids)

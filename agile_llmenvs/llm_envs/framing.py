@@ -10,6 +10,7 @@ turn costs one tokenization of the new observation and nothing that grows with t
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,9 @@ logger = logging.getLogger(__name__)
 Message = Mapping[str, Any]
 _A, _B, _C = "\u27e6A\u27e7", "\u27e6B\u27e7", "\u27e6C\u27e7"  # placeholders no template rewrites
 _THINK = "<think>scratch</think>answer"
+_SHARED: weakref.WeakKeyDictionary[Any, dict[tuple[str, str, bool], dict[str, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
 _CHATML = ("<|im_end|>\n", "<|im_start|>{role}\n", "<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -91,9 +95,15 @@ class ChatFramer:
         self.use_template = use_template
         self.kwargs = dict(chat_template_kwargs or {})
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._frames: dict[str, TurnFrame] = {}
-        self._has_template = bool(getattr(tokenizer, "chat_template", None))
-        self.prefix_stable = self._check_prefix_stable() if use_template else True
+        template = getattr(tokenizer, "chat_template", None)
+        self._has_template = bool(template)
+        # Frames depend only on the tokenizer, its template and the kwargs: share them across
+        # every harness of the run (one per rollout slot), so none pays for slicing again.
+        key = (str(template), repr(sorted(self.kwargs.items())), strict)
+        self._cache: dict[str, Any] = _SHARED.setdefault(tokenizer, {}).setdefault(key, {})
+        if "prefix_stable" not in self._cache:
+            self._cache["prefix_stable"] = self._check_prefix_stable() if use_template else True
+        self.prefix_stable: bool = self._cache["prefix_stable"]
 
     def encode(self, text: str) -> list[int]:
         """Ids of ``text`` without special tokens added (the Rust tokenizer when available)."""
@@ -115,9 +125,11 @@ class ChatFramer:
 
     def frame(self, role: str = "user") -> TurnFrame:
         """The cached frame of an observation in a ``role`` message after an assistant turn."""
-        if role not in self._frames:
-            self._frames[role] = self._build_frame(role)
-        return self._frames[role]
+        key = f"frame:{role}"
+        if key not in self._cache:
+            self._cache[key] = self._build_frame(role)
+        frame: TurnFrame = self._cache[key]
+        return frame
 
     def turn_ids(
         self, completion_ids: Sequence[int], observation: str, role: str = "user"

@@ -1,0 +1,91 @@
+"""Rollout harness cost per turn, over the floor of tokenizing the new observation.
+
+Each turn appends 32 sampled ids and a ~200-character observation. The env client is a
+fixed-reply stand-in (no env, no wire), so what is timed is the harness itself: decoding the
+action, framing, tokenizing the observation, bookkeeping. The floor is
+``tokenizer.encode(observation)`` alone, timed in the same run, interleaved. Turns 1, 16 and 64
+show whether the cost grows with the transcript (it must not). Last line: JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from agile_llmenvs.llm_envs import RolloutHarness  # noqa: E402
+from agile_llmenvs.transport import EnvReply  # noqa: E402
+
+OBSERVATION = ("The board after your move: row 1 is x . o, row 2 is . x ., row 3 is o . . "
+               "Your score is 12 and you have 3 moves left. Choose a free cell as (row, col).")
+
+
+class FixedClient:
+    """Answers every step with the same observation: the cheapest possible env."""
+
+    def __init__(self) -> None:
+        self.reply = EnvReply(observation={"prompt": OBSERVATION}, reward=0.0, done=False)
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> EnvReply:
+        return self.reply
+
+    def step(self, text: str) -> EnvReply:
+        return self.reply
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--episodes", type=int, default=40)
+    parser.add_argument("--turns", type=int, default=64)
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from agile_llmenvs.tiny_model import build_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(f"{tmp}/model"))
+    completion = tokenizer.encode("I choose the cell (2, 3) because it blocks the diagonal "
+                                  "and keeps my row open for later.", add_special_tokens=False)
+    completion = (completion * 4)[:31] + [tokenizer.eos_token_id]
+    assert len(completion) == 32
+    per_turn: dict[int, list[float]] = {t: [] for t in range(1, args.turns + 1)}
+    floor: list[float] = []
+    for _ in range(args.episodes):
+        harness = RolloutHarness(FixedClient(), tokenizer, max_turns=args.turns + 1)
+        harness.reset()
+        for turn in range(1, args.turns + 1):
+            start = time.perf_counter()
+            tokenizer.encode(OBSERVATION, add_special_tokens=False)
+            floor.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            harness.step(completion)
+            per_turn[turn].append(time.perf_counter() - start)
+    floor_us = statistics.median(floor) * 1e6
+    result: dict[str, Any] = {"figure": "harness_turn", "encode_floor_us": round(floor_us, 1)}
+    for turn in (1, 16, 64):
+        if turn <= args.turns:
+            cost = statistics.median(per_turn[turn]) * 1e6
+            result[f"turn_{turn}_us"] = round(cost, 1)
+            result[f"turn_{turn}_over_floor"] = round(cost / floor_us, 2)
+    if args.turns >= 64:
+        result["turn_64_over_turn_1"] = round(result["turn_64_us"] / result["turn_1_us"], 2)
+    print(json.dumps(result))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

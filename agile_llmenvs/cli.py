@@ -113,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--advertise-host", help="host clients should dial, if not --host")
     serve.add_argument("--token", help="shared secret clients must present")
     serve.set_defaults(run=_serve)
+    from agile_llmenvs.evaluation.command import register as register_eval
+
+    register_eval(commands)
     return parser
 
 

@@ -53,10 +53,15 @@ def _openenv(port: int) -> None:
 
     from agile_llmenvs.transport import OpenEnvWrapper, TextAction, TextObservation
 
-    app = create_app(lambda: OpenEnvWrapper(BenchEnv(), owns_inner=True), TextAction,
-                     TextObservation, max_concurrent_envs=256)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                            ws_per_message_deflate=False)
+    app = create_app(
+        lambda: OpenEnvWrapper(BenchEnv(), owns_inner=True),
+        TextAction,
+        TextObservation,
+        max_concurrent_envs=256,
+    )
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", ws_per_message_deflate=False
+    )
     server = uvicorn.Server(config)
     print(port, flush=True)
     server.run()

@@ -20,11 +20,13 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from agile_llmenvs.llm_envs import RolloutHarness  # noqa: E402
-from agile_llmenvs.transport import EnvReply  # noqa: E402
+from agile_llmenvs.llm_envs import RolloutHarness
+from agile_llmenvs.transport import EnvReply
 
-OBSERVATION = ("The board after your move: row 1 is x . o, row 2 is . x ., row 3 is o . . "
-               "Your score is 12 and you have 3 moves left. Choose a free cell as (row, col).")
+OBSERVATION = (
+    "The board after your move: row 1 is x . o, row 2 is . x ., row 3 is o . . "
+    "Your score is 12 and you have 3 moves left. Choose a free cell as (row, col)."
+)
 
 
 class FixedClient:
@@ -58,9 +60,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(f"{tmp}/model"))
-    completion = tokenizer.encode("I choose the cell (2, 3) because it blocks the diagonal "
-                                  "and keeps my row open for later.", add_special_tokens=False)
-    completion = (completion * 4)[:31] + [tokenizer.eos_token_id]
+    completion = tokenizer.encode(
+        "I choose the cell (2, 3) because it blocks the diagonal and keeps my row open for later.",
+        add_special_tokens=False,
+    )
+    completion = [*(completion * 4)[:31], tokenizer.eos_token_id]
     assert len(completion) == 32
     per_turn: dict[int, list[float]] = {t: [] for t in range(1, args.turns + 1)}
     floor: list[float] = []

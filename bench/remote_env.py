@@ -31,8 +31,12 @@ MESSAGE = "y" * 200
 
 
 def start_server(kind: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, str(HERE / "_remote_servers.py"), kind],
-                            stdout=subprocess.PIPE, text=True, cwd=HERE.parent)
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "_remote_servers.py"), kind],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=HERE.parent,
+    )
     assert proc.stdout is not None
     port = proc.stdout.readline().strip()
     time.sleep(0.5 if kind != "openenv" else 2.0)
@@ -85,8 +89,9 @@ async def throughput_floor(url: str, sessions: int, seconds: float) -> float:
     from websockets.asyncio.client import connect
 
     frame = json.dumps({"type": "step", "data": {"message": MESSAGE}})
-    sockets = [await connect(url.replace("http", "ws") + "/ws", compression=None)
-               for _ in range(sessions)]
+    sockets = [
+        await connect(url.replace("http", "ws") + "/ws", compression=None) for _ in range(sessions)
+    ]
 
     async def one(ws: Any) -> None:
         await ws.send(frame)
@@ -168,8 +173,7 @@ def main() -> None:
                 url = servers[kind][1]
                 latencies[kind] += latency_fns[kind](url, args.steps)
                 for sessions in args.sessions:
-                    rates[kind][sessions].append(
-                        run_throughput(kind, url, sessions, args.seconds))
+                    rates[kind][sessions].append(run_throughput(kind, url, sessions, args.seconds))
             print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
     finally:
         for proc, _ in servers.values():
@@ -181,18 +185,23 @@ def main() -> None:
         result[kind] = {
             "p50_us": round(statistics.median(samples) * 1e6, 1),
             "p99_us": round(samples[int(0.99 * (len(samples) - 1))] * 1e6, 1),
-            **{f"steps_per_s_{n}": round(statistics.median(rates[kind][n]), 1)
-               for n in args.sessions},
+            **{
+                f"steps_per_s_{n}": round(statistics.median(rates[kind][n]), 1)
+                for n in args.sessions
+            },
         }
         print(f"{kind:8s} " + "  ".join(f"{k}={v}" for k, v in result[kind].items()))
     top = max(args.sessions)
     result["ours_p50_over_floor"] = round(result["ours"]["p50_us"] / result["floor"]["p50_us"], 2)
     result["openenv_p50_over_floor"] = round(
-        result["openenv"]["p50_us"] / result["floor"]["p50_us"], 2)
+        result["openenv"]["p50_us"] / result["floor"]["p50_us"], 2
+    )
     result[f"ours_over_openenv_steps_per_s_{top}"] = round(
-        result["ours"][f"steps_per_s_{top}"] / result["openenv"][f"steps_per_s_{top}"], 2)
+        result["ours"][f"steps_per_s_{top}"] / result["openenv"][f"steps_per_s_{top}"], 2
+    )
     result[f"floor_over_openenv_steps_per_s_{top}"] = round(
-        result["floor"][f"steps_per_s_{top}"] / result["openenv"][f"steps_per_s_{top}"], 2)
+        result["floor"][f"steps_per_s_{top}"] / result["openenv"][f"steps_per_s_{top}"], 2
+    )
     print(json.dumps(result))
 
 

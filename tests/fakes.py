@@ -9,11 +9,21 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from agile_llmenvs.backends import Backend, Completion, Messages, SamplingParams, Tools
+import pytest
+
+from agile_llmenvs.backends import (
+    Backend,
+    Completion,
+    HFBackend,
+    Messages,
+    SamplingParams,
+    Tools,
+)
 
 # --------------------------------------------------------------------------- text env
 
@@ -23,46 +33,62 @@ class DigitEnv:
 
     Each turn pays 1.0 when the action, stripped, is the digit; the episode terminates after
     its turns whatever the policy says, so how long each task lasts is known in advance.
+    Rows in ``bad_rows`` raise in ``reset``; rows in ``bad_steps`` raise in ``step``.
     """
 
     dataset_size = 10
 
-    def __init__(self, turns: Callable[[int], int] = lambda row: 1) -> None:
+    def __init__(
+        self,
+        turns: Callable[[int], int] = lambda row: 1,
+        bad_rows: frozenset[int] = frozenset(),
+        bad_steps: frozenset[int] = frozenset(),
+    ) -> None:
         self.turns = turns
+        self.bad_rows, self.bad_steps = bad_rows, bad_steps
         self.actions: list[str] = []
+        self.reset_seeds: list[int | None] = []
         self.closed = False
-        self._row = -1
+        self.row = -1
         self._turn = 0
 
     def reset(self, *, seed: int | None = None, **task: Any) -> tuple[str, dict[str, Any]]:
-        self._row = int(task.get("row_index", 0))
+        self.row = int(task.get("row_index", 0))
+        self.reset_seeds.append(seed)
+        if self.row in self.bad_rows:
+            raise KeyError(f"row {self.row} is broken")
         self._turn = 0
         self.actions = []
-        return self._prompt(), {"row_index": self._row, "seed": seed}
+        return self._prompt(), {"row_index": self.row, "seed": seed}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if self.row in self.bad_steps:
+            raise RuntimeError(f"step of row {self.row} failed")
         self.actions.append(action)
         self._turn += 1
-        reward = 1.0 if action.strip() == str(self._row % 10) else 0.0
-        done = self._turn >= self.turns(self._row)
+        reward = 1.0 if action.strip() == str(self.row % 10) else 0.0
+        done = self._turn >= self.turns(self.row)
         return self._prompt(), reward, done, False, {"turn": self._turn}
 
     def close(self) -> None:
         self.closed = True
 
     def _prompt(self) -> str:
-        return f"Say the digit {self._row % 10}."
+        return f"Say the digit {self.row % 10}."
 
 
 @dataclass
 class DigitEnvFactory:
-    """Makes :class:`DigitEnv` instances and keeps every one it made."""
+    """Makes :class:`DigitEnv` instances and keeps every one it made (``made[0]`` is the
+    probe that ``from_text_env`` reads the spec from)."""
 
     turns: Callable[[int], int] = lambda row: 1
+    bad_rows: frozenset[int] = frozenset()
+    bad_steps: frozenset[int] = frozenset()
     made: list[DigitEnv] = field(default_factory=list)
 
     def __call__(self) -> DigitEnv:
-        env = DigitEnv(self.turns)
+        env = DigitEnv(self.turns, self.bad_rows, self.bad_steps)
         self.made.append(env)
         return env
 
@@ -314,3 +340,38 @@ def _anthropic_reply(
         "stop_sequence": None,
         "usage": {"input_tokens": 1, "output_tokens": 1},
     }
+
+
+# --------------------------------------------------------------------------- fixtures
+# Test modules import these by name (``from fakes import hf_backend``) to use them.
+
+
+@pytest.fixture(scope="module")
+def hf_backend(tiny_model_dir: Path) -> Iterator[HFBackend]:
+    """The tiny model behind a real :class:`HFBackend`."""
+    backend = HFBackend(tiny_model_dir)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def api_server() -> Iterator[ChatAPIServer]:
+    """A running :class:`ChatAPIServer`, cleared before each test that uses ``server``."""
+    with ChatAPIServer() as server:
+        yield server
+
+
+@pytest.fixture
+def server(api_server: ChatAPIServer) -> ChatAPIServer:
+    """The module's API server, with no requests, injections or latency."""
+    api_server.clear()
+    return api_server
+
+
+def digit_messages(*digits: int) -> list[list[dict[str, Any]]]:
+    """One "say the digit" conversation per digit."""
+    return [[{"role": "user", "content": f"Say the digit {d}."}] for d in digits]
+
+
+#: Greedy, short: what runner tests sample with (the outputs do not matter there).
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)

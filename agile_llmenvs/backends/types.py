@@ -1,0 +1,165 @@
+"""The backend contract: sampling parameters, what a generation returns, and the protocols.
+
+Every backend is chat-level (:class:`Backend`): a list of conversations in, one
+:class:`Completion` per conversation out, in one call. Local backends (HF, vLLM) also satisfy
+:class:`TokenBackend`: token ids in, sampled token ids and their log-probs out, so training
+data is built from exactly the ids the policy sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+__all__ = [
+    "Backend",
+    "Completion",
+    "FinishReason",
+    "Generation",
+    "Message",
+    "Messages",
+    "SamplingParams",
+    "TokenBackend",
+    "ToolCall",
+    "Tools",
+]
+
+Message = Mapping[str, Any]
+"""One chat message, OpenAI-shaped: ``{"role": ..., "content": ...}``."""
+Messages = Sequence[Message]
+Tools = Sequence[Mapping[str, Any]]
+"""Tool descriptions in OpenAI's function shape: ``{"type": "function", "function": {...}}``."""
+
+FinishReason = Literal["stop", "length", "tool_calls", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion; the same object is shared by every backend.
+
+    Attributes:
+        max_tokens: Most new tokens per completion.
+        temperature: Softmax temperature; ``0.0`` is greedy decoding.
+        top_p: Nucleus sampling mass; ``1.0`` disables it.
+        top_k: Sample from the ``top_k`` likeliest tokens only; ``None`` disables it.
+        stop: Strings that end a completion; the text is cut before the first one found.
+        seed: Seed of the sampler, where the backend supports one.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        """Whether decoding is greedy (temperature 0)."""
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What a token-level backend sampled for one prompt.
+
+    Attributes:
+        token_ids: The sampled ids, in order, including a final end-of-turn id when sampled.
+        logprobs: The model's log-probability of each sampled id (same length).
+        text: ``token_ids`` decoded, special tokens skipped, cut before any stop string.
+        finish_reason: ``"stop"`` (end-of-turn id or stop string) or ``"length"``.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call the model asked for."""
+
+    name: str
+    arguments: Mapping[str, Any]
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One chat-level completion.
+
+    A request that failed past its retries is a value, not an exception that sinks the whole
+    batch: ``finish_reason == "error"`` and ``error`` says why.
+
+    Attributes:
+        text: The assistant's text.
+        finish_reason: Why generation ended.
+        tool_calls: Tool calls the model made, in order.
+        generation: The token-level result, from local backends only.
+        error: What went wrong, when ``finish_reason == "error"``.
+    """
+
+    text: str
+    finish_reason: FinishReason = "stop"
+    tool_calls: tuple[ToolCall, ...] = field(default=())
+    generation: Generation | None = None
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, error: str) -> Completion:
+        """A completion standing for a request that failed."""
+        return cls(text="", finish_reason="error", error=error)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A chat-level generation backend: one call generates for a whole batch."""
+
+    def generate_chat(self, messages: Messages, params: SamplingParams) -> Completion:
+        """Generate one completion for one conversation."""
+        ...
+
+    def generate_chat_batch(
+        self, batch: Sequence[Messages], params: SamplingParams
+    ) -> list[Completion]:
+        """Generate one completion per conversation, in order, as one batched call."""
+        ...
+
+    def generate_with_tools_batch(
+        self, batch: Sequence[Messages], tools: Tools, params: SamplingParams
+    ) -> list[Completion]:
+        """As :meth:`generate_chat_batch`, offering ``tools`` to the model."""
+        ...
+
+    def close(self) -> None:
+        """Release the backend's resources (models, connections, threads)."""
+        ...
+
+
+@runtime_checkable
+class TokenBackend(Backend, Protocol):
+    """A local backend that generates over token ids (HF, vLLM)."""
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (with its chat template)."""
+        ...
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Generation]:
+        """Sample one continuation per prompt of token ids, as one batched call."""
+        ...

@@ -1,0 +1,132 @@
+"""The evaluation config: environments, model, inference settings, as validated data.
+
+Every model forbids unknown keys, so a typo fails at load with pydantic's
+``ValidationError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from agile_llmenvs.errors import ManifestError
+from agile_llmenvs.specs._types import ImportPath
+
+__all__ = [
+    "TINY_MODEL",
+    "EnvironmentConfig",
+    "EvalConfig",
+    "InferenceConfig",
+    "ModelConfig",
+]
+
+#: The ``model`` name that stands for the package's built-in tiny model (built offline).
+TINY_MODEL = "tiny"
+
+_STRICT = ConfigDict(extra="forbid", validate_default=True)
+
+
+class EnvironmentConfig(BaseModel):
+    """One environment to evaluate on.
+
+    ``source: reasoning_gym`` (the default) builds ``size`` procedurally generated tasks of
+    the reasoning-gym dataset ``name`` (needs the ``envs`` extra); ``source: entry_point``
+    imports ``entry_point`` (a ``TextEnv`` class or factory) and calls it with ``env_config``.
+    """
+
+    model_config = _STRICT
+
+    name: str = Field(min_length=1, description="Dataset name, or a label for an entry point.")
+    source: Literal["reasoning_gym", "entry_point"] = "reasoning_gym"
+    size: int = Field(100, ge=1, description="How many tasks to build and run.")
+    seed: int = Field(0, description="Seed of the generated tasks.")
+    entry_point: ImportPath | None = Field(None, description="'module:attr' of a TextEnv.")
+    env_config: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the dataset or entry point."
+    )
+    max_steps: int = Field(10, ge=1, description="Most steps per trajectory.")
+
+    @model_validator(mode="after")
+    def _entry_point_matches_source(self) -> EnvironmentConfig:
+        if self.source == "entry_point" and self.entry_point is None:
+            raise ValueError("source 'entry_point' needs entry_point: 'package.module:attr'")
+        if self.source == "reasoning_gym" and self.entry_point is not None:
+            raise ValueError("entry_point is only read with source: entry_point")
+        return self
+
+
+class ModelConfig(BaseModel):
+    """The model and the backend that serves it.
+
+    API keys are never written in configs: ``api_key_env`` names the environment variable
+    holding one (each provider's usual variable by default).
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_default=True, protected_namespaces=())
+
+    backend: Literal["huggingface", "vllm", "openai", "anthropic", "openrouter"]
+    model: str = Field(min_length=1, description=f"Name or local path; {TINY_MODEL!r} is built in.")
+    base_url: str | None = None
+    api_key_env: str | None = None
+    max_concurrency: int = Field(64, ge=1, description="API requests in flight at once.")
+    max_retries: int = Field(6, ge=0, description="Retries of a 429/5xx API response.")
+    timeout_s: float = Field(600.0, gt=0)
+    device: str = Field("cpu", description="Torch device of a huggingface backend.")
+    dtype: str = "auto"
+    max_model_len: int | None = Field(None, ge=1, description="vLLM context length.")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+
+    def api_key(self) -> str | None:
+        """The key held by ``api_key_env``, when one is named and set."""
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+class InferenceConfig(BaseModel):
+    """Sampling settings, shared by every backend."""
+
+    model_config = _STRICT
+
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
+    max_tokens: int = Field(256, ge=1)
+    stop: list[str] = Field(default_factory=list)
+    seed: int | None = None
+
+
+class EvalConfig(BaseModel):
+    """A whole evaluation: what to run, with which model, and how to sample."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True, protected_namespaces=())
+
+    environments: list[EnvironmentConfig] = Field(min_length=1)
+    model: ModelConfig
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    batch_size: int | None = Field(None, ge=1, description="Trajectories per lock-step batch.")
+    system_prompt: str | None = None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> EvalConfig:
+        """Load and validate a YAML config.
+
+        Raises:
+            ManifestError: The file cannot be read or is not a YAML mapping.
+            pydantic.ValidationError: A field is missing, unknown or invalid.
+        """
+        source = Path(path)
+        try:
+            data = yaml.safe_load(source.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ManifestError(f"cannot read eval config {source}: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ManifestError(f"{source} is not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ManifestError(
+                f"{source} must hold a YAML mapping (environments, model, ...), "
+                f"got {type(data).__name__}"
+            )
+        return cls.model_validate(data)

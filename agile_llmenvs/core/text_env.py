@@ -1,0 +1,188 @@
+"""The one adapter between the two faces: any :class:`TextEnv` as an :class:`Environment`.
+
+A ``TextEnv`` is stateful, so each episode needs an env instance of its own. Given a factory,
+the adapter makes one per ``reset`` and closes it when the episode ends, so a runner can keep
+any number of episodes in flight through one ``Environment``. Given a single instance, it
+runs one episode at a time: a new ``reset`` leaves the previous episode's states stale.
+Either way ``pure_step`` is False: a state stands for a live env that moves on when stepped,
+so stepping a state twice raises :class:`~agile_llmenvs.errors.StaleStateError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from agile_llmenvs.core.types import Action, EnvironmentSpec, State, StepResult
+from agile_llmenvs.errors import StaleStateError
+from agile_llmenvs.llm_envs.contract import (
+    SupportsDatasetSize,
+    SupportsMaxTurns,
+    SupportsTools,
+    TextEnv,
+)
+
+__all__ = ["TextEnvironment", "from_text_env", "render_action"]
+
+
+def render_action(action: Action) -> str:
+    """The text a ``TextEnv`` reads for ``action``.
+
+    Tool calls that an API reported apart from the text are appended in the Hermes form
+    (``<tool_call>{...}</tool_call>``) that local models write themselves, so an env parses
+    one form whichever backend produced the action.
+    """
+    if not action.tool_calls or "<tool_call>" in action.text:
+        return action.text
+    calls = [
+        "<tool_call>"
+        + json.dumps({"name": c.name, "arguments": dict(c.arguments)})
+        + "</tool_call>"
+        for c in action.tool_calls
+    ]
+    return "\n".join([action.text, *calls]) if action.text else "\n".join(calls)
+
+
+@dataclass
+class _Episode:
+    env: TextEnv
+    step_count: int = 0
+
+
+class TextEnvironment:
+    """A :class:`TextEnv` (or a factory of them) behind the state-passing interface.
+
+    Build it with :func:`from_text_env`.
+    """
+
+    def __init__(
+        self, factory: Callable[[], TextEnv], *, name: str, single: TextEnv | None = None
+    ) -> None:
+        self._factory = factory
+        self._single = single
+        self._episodes: dict[int, _Episode] = {}
+        self._ids = itertools.count()
+        probe = single if single is not None else factory()
+        try:
+            self._spec = _spec_of(probe, name)
+        finally:
+            if single is None:
+                probe.close()
+
+    @property
+    def spec(self) -> EnvironmentSpec:
+        """What the env is and offers (read from a probe instance)."""
+        return self._spec
+
+    def reset(
+        self, *, seed: int | None = None, options: Mapping[str, Any] | None = None
+    ) -> tuple[State, dict[str, Any]]:
+        """Start an episode; ``options`` are passed to ``TextEnv.reset`` as the task."""
+        task = dict(options or {})
+        if self._single is not None:
+            self._episodes.clear()  # the instance moves on: earlier states go stale
+            env = self._single
+        else:
+            env = self._factory()
+        try:
+            observation, info = env.reset(seed=seed, **task)
+        except BaseException:
+            if self._single is None:
+                env.close()
+            raise
+        episode_id = next(self._ids)
+        self._episodes[episode_id] = _Episode(env)
+        messages = ({"role": "user", "content": observation},)
+        state = State(observation, messages, task=task, episode_id=episode_id)
+        return state, dict(info)
+
+    def step(self, state: State, action: Action) -> StepResult:
+        """Apply ``action`` to the live env behind ``state``.
+
+        Raises:
+            StaleStateError: ``state`` was stepped already, its episode ended or was
+                released, or a newer reset took the single env instance.
+        """
+        episode = self._episodes.get(state.episode_id)
+        if episode is None or episode.step_count != state.step_count or state.done:
+            raise StaleStateError(
+                f"episode {state.episode_id} at step {state.step_count} cannot be stepped: "
+                "the env behind it has moved on (this env's step is not pure: step each "
+                "state once, and pass a factory to from_text_env to run several episodes)"
+            )
+        text = render_action(action)
+        try:
+            observation, reward, terminated, truncated, info = episode.env.step(text)
+        except BaseException:
+            self.release(state)
+            raise
+        episode.step_count += 1
+        done = bool(terminated or truncated)
+        turns = [{"role": "assistant", "content": text}]
+        if observation or not done:
+            turns.append({"role": "user", "content": observation})
+        next_state = replace(
+            state,
+            observation=observation,
+            messages=(*state.messages, *turns),
+            step_count=episode.step_count,
+            done=done,
+        )
+        if done:
+            self.release(state)
+        return StepResult(next_state, float(reward), bool(terminated), bool(truncated), info)
+
+    def release(self, state: State) -> None:
+        """End ``state``'s episode and close its env (a no-op when already ended)."""
+        episode = self._episodes.pop(state.episode_id, None)
+        if episode is not None and self._single is None:
+            episode.env.close()
+
+    def close(self) -> None:
+        """Close every env of an episode still running, and the single instance if any."""
+        for episode_id in list(self._episodes):
+            episode = self._episodes.pop(episode_id)
+            if self._single is None:
+                episode.env.close()
+        if self._single is not None:
+            self._single.close()
+
+
+def _spec_of(env: TextEnv, name: str) -> EnvironmentSpec:
+    return EnvironmentSpec(
+        name=name,
+        pure_step=False,
+        dataset_size=env.dataset_size if isinstance(env, SupportsDatasetSize) else None,
+        max_turns=env.max_turns if isinstance(env, SupportsMaxTurns) else None,
+        tools=tuple(env.tools) if isinstance(env, SupportsTools) else (),
+    )
+
+
+def from_text_env(
+    env: TextEnv | Callable[[], TextEnv], *, name: str | None = None
+) -> TextEnvironment:
+    """Adapt a ``TextEnv`` (or a zero-argument factory of them) to :class:`Environment`.
+
+    Args:
+        env: A factory (a ``TextEnv`` class, say), so that each episode gets its own
+            instance (what batched runners need), or one instance, for one episode at a time.
+        name: A label for results; defaults to the env's class (or the factory's) name.
+
+    Returns:
+        The adapted environment.
+
+    Raises:
+        TypeError: ``env`` is neither a ``TextEnv`` nor callable.
+    """
+    if isinstance(env, TextEnv) and not isinstance(env, type):  # a class is a factory
+        label = name or type(env).__name__
+        return TextEnvironment(lambda: env, name=label, single=env)
+    if not callable(env):
+        raise TypeError(
+            f"from_text_env needs a TextEnv or a factory of them; got {type(env).__name__}"
+        )
+    label = name or getattr(env, "__name__", None) or type(env).__name__
+    return TextEnvironment(env, name=label)

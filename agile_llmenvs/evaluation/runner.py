@@ -1,0 +1,276 @@
+"""The lock-step trajectory runner: one backend call per step for every live trajectory.
+
+``run_batch`` resets one episode per task, then repeats: build the messages of every live
+trajectory, generate all their completions in a single backend call, step each trajectory's
+episode with its completion, and drop those that finished. As trajectories end the batch
+shrinks, and short ones never wait on long ones beyond the step they are in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agile_llmenvs.backends.types import Backend, Completion, Message, SamplingParams
+from agile_llmenvs.core.types import Action, Environment, State
+from agile_llmenvs.errors import BackendError, EvaluationError
+from agile_llmenvs.evaluation.results import BatchResult, StopReason, Trajectory, Turn
+
+__all__ = [
+    "ProgressCallback",
+    "ProgressCounter",
+    "Rollout",
+    "RunnerConfig",
+    "TrajectoryRunner",
+    "chunked",
+    "run_lockstep",
+]
+
+ProgressCallback = Callable[[int, int], None]
+"""Called as ``callback(completed, total)`` each time a trajectory finishes; ``completed``
+counts across every chunk of a call (global offsets), ``total`` is the call's task count."""
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How a runner frames and bounds episodes.
+
+    Attributes:
+        system_prompt: A system message put before every conversation.
+        max_steps: Most steps per trajectory (further capped by the env's ``max_turns``).
+        seed: When set, task ``i`` is reset with seed ``seed + i``.
+        success_threshold: Total reward at which a trajectory counts as solved, for envs
+            whose final ``info`` has no ``"success"``.
+    """
+
+    system_prompt: str | None = None
+    max_steps: int = 10
+    seed: int | None = None
+    success_threshold: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
+
+
+@dataclass
+class Rollout:
+    """One trajectory in flight: its runner, its current state, and what happened so far."""
+
+    runner: TrajectoryRunner
+    task_index: int
+    state: State | None = None
+    turns: list[Turn] = field(default_factory=list)
+    last_info: dict[str, Any] = field(default_factory=dict)
+    stop_reason: StopReason | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the trajectory has ended."""
+        return self.stop_reason is not None
+
+
+class TrajectoryRunner:
+    """Runs batches of trajectories of one environment in lock-step.
+
+    Args:
+        environment: The environment; a non-pure one must run several episodes at once
+            (``from_text_env`` given a factory does).
+        backend: Generates the completions.
+        sampling_params: How to sample; defaults to ``SamplingParams()``.
+        config: System prompt, step budget, seeding and the success threshold.
+        env_factory: Makes fresh environments; kept for branching, which builds independent
+            copies from it (not used by ``run_batch``).
+        restore_fn: Restores an environment to a ``State``; kept for branching (not used
+            by ``run_batch``).
+    """
+
+    def __init__(
+        self,
+        environment: Environment,
+        backend: Backend,
+        sampling_params: SamplingParams | None = None,
+        *,
+        config: RunnerConfig | None = None,
+        env_factory: Callable[[], Environment] | None = None,
+        restore_fn: Callable[[Environment, State], Any] | None = None,
+    ) -> None:
+        self.environment = environment
+        self.backend = backend
+        self.sampling_params = sampling_params or SamplingParams()
+        self.config = config or RunnerConfig()
+        self.env_factory = env_factory
+        self.restore_fn = restore_fn
+
+    @property
+    def max_steps(self) -> int:
+        """The step budget: the config's, capped by the env's own ``max_turns``."""
+        env_turns = self.environment.spec.max_turns
+        return min(self.config.max_steps, env_turns) if env_turns else self.config.max_steps
+
+    def run_batch(
+        self,
+        task_indices: Sequence[int],
+        batch_size: int | None = None,
+        progress_callback: ProgressCallback | None = None,
+    ) -> BatchResult:
+        """Run one trajectory per task, all in lock-step (or ``batch_size`` at a time).
+
+        Args:
+            task_indices: The tasks (dataset rows) to run, in the order results come back.
+            batch_size: Run at most this many trajectories at once: tasks are processed in
+                chunks of this size, one after another. ``None`` runs them all together.
+            progress_callback: ``callback(completed, total)`` after each trajectory ends.
+
+        Returns:
+            The trajectories, in the order of ``task_indices``.
+
+        Raises:
+            EvaluationError: ``batch_size`` is below 1.
+            BackendError: The backend refused a request outright (a bad key or model).
+        """
+        indices = list(task_indices)
+        results = []
+        progress = ProgressCounter(len(indices), progress_callback)
+        for chunk in chunked(indices, batch_size):
+            rollouts = [self.start(i) for i in chunk]
+            run_lockstep(rollouts, self.backend, self.sampling_params, progress)
+            results.append(self.collect(rollouts))
+        return BatchResult.concat(results, self.environment.spec.name)
+
+    # The per-trajectory steps, also driven by run_multi_evaluation's shared loop.
+
+    def start(self, task_index: int) -> Rollout:
+        """Reset an episode for ``task_index``; an env error ends it at once, as a value."""
+        rollout = Rollout(self, task_index)
+        seed = None if self.config.seed is None else self.config.seed + task_index
+        try:
+            rollout.state, rollout.last_info = self.environment.reset(
+                seed=seed, options={"row_index": task_index}
+            )
+        except Exception as exc:
+            rollout.stop_reason, rollout.error = StopReason.ENV_ERROR, _describe(exc)
+        return rollout
+
+    def messages(self, rollout: Rollout) -> list[Message]:
+        """The conversation to generate the next action of ``rollout`` from."""
+        assert rollout.state is not None
+        system = self.config.system_prompt
+        head: list[Message] = [{"role": "system", "content": system}] if system else []
+        return head + list(rollout.state.messages)
+
+    def advance(self, rollout: Rollout, completion: Completion) -> None:
+        """Step ``rollout``'s episode with ``completion``, ending it when it is done."""
+        assert rollout.state is not None
+        if completion.finish_reason == "error":
+            self._end(rollout, StopReason.BACKEND_ERROR, completion.error or "backend error")
+            return
+        action = Action.from_completion(completion)
+        try:
+            result = self.environment.step(rollout.state, action)
+        except Exception as exc:
+            self._end(rollout, StopReason.ENV_ERROR, _describe(exc))
+            return
+        rollout.state, rollout.last_info = result.next_state, dict(result.info)
+        rollout.turns.append(
+            Turn(action, result.next_state.observation, result.reward, result.info)
+        )
+        if result.terminated:
+            rollout.stop_reason = StopReason.TERMINATED
+        elif result.truncated:
+            rollout.stop_reason = StopReason.TRUNCATED
+        elif len(rollout.turns) >= self.max_steps:
+            self._end(rollout, StopReason.MAX_STEPS)
+
+    def collect(self, rollouts: Sequence[Rollout]) -> BatchResult:
+        """The finished ``rollouts`` as a :class:`BatchResult`."""
+        return BatchResult(tuple(self.trajectory(r) for r in rollouts), self.environment.spec.name)
+
+    def trajectory(self, rollout: Rollout) -> Trajectory:
+        """The finished ``rollout`` as a :class:`Trajectory`."""
+        assert rollout.stop_reason is not None
+        total = sum(turn.reward for turn in rollout.turns)
+        if "success" in rollout.last_info and rollout.stop_reason in _CLEAN_ENDS:
+            success = bool(rollout.last_info["success"])
+        else:
+            success = rollout.stop_reason in _CLEAN_ENDS and total >= self.config.success_threshold
+        messages = self.messages(rollout) if rollout.state is not None else []
+        return Trajectory(
+            task_index=rollout.task_index,
+            env_name=self.environment.spec.name,
+            turns=tuple(rollout.turns),
+            messages=tuple(messages),
+            total_reward=total,
+            success=success,
+            stop_reason=rollout.stop_reason,
+            error=rollout.error,
+        )
+
+    def _end(self, rollout: Rollout, reason: StopReason, error: str | None = None) -> None:
+        rollout.stop_reason, rollout.error = reason, error
+        if rollout.state is not None:
+            self.environment.release(rollout.state)
+
+
+_CLEAN_ENDS = (StopReason.TERMINATED, StopReason.TRUNCATED, StopReason.MAX_STEPS)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class ProgressCounter:
+    """Counts finished trajectories across chunks and reports them."""
+
+    def __init__(self, total: int, callback: ProgressCallback | None) -> None:
+        self.total, self.completed, self.callback = total, 0, callback
+
+    def finished(self) -> None:
+        self.completed += 1
+        if self.callback is not None:
+            self.callback(self.completed, self.total)
+
+
+def chunked(items: list[Any], batch_size: int | None) -> list[list[Any]]:
+    """``items`` in consecutive chunks of ``batch_size`` (one chunk when ``None``)."""
+    if batch_size is None:
+        return [items] if items else []
+    if batch_size < 1:
+        raise EvaluationError(f"batch_size must be >= 1 or None, got {batch_size}")
+    return [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
+
+
+def run_lockstep(
+    rollouts: Sequence[Rollout],
+    backend: Backend,
+    params: SamplingParams,
+    progress: ProgressCounter | None = None,
+) -> None:
+    """Drive ``rollouts`` to their ends, one backend call per step for all live ones.
+
+    Each rollout is built and stepped by its own runner, so rollouts of several
+    environments can share the loop (all must offer the same tools).
+    """
+    for rollout in rollouts:
+        if rollout.finished and progress is not None:  # its reset failed
+            progress.finished()
+    live = [r for r in rollouts if not r.finished]
+    tools = live[0].runner.environment.spec.tools if live else ()
+    while live:
+        batch = [r.runner.messages(r) for r in live]
+        if tools:
+            completions = backend.generate_with_tools_batch(batch, tools, params)
+        else:
+            completions = backend.generate_chat_batch(batch, params)
+        if len(completions) != len(batch):
+            raise BackendError(
+                f"{type(backend).__name__} returned {len(completions)} completions for a batch "
+                f"of {len(batch)}; a backend must return one per conversation"
+            )
+        for rollout, completion in zip(live, completions, strict=True):
+            rollout.runner.advance(rollout, completion)
+            if rollout.finished and progress is not None:
+                progress.finished()
+        live = [r for r in live if not r.finished]

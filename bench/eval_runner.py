@@ -1,0 +1,148 @@
+"""Evaluation runner overheads against their floors.
+
+* ``runner``: ``TrajectoryRunner.run_batch`` on the tiny HF model over N single-turn tasks,
+  against the floor of the backend's own batched ``generate`` on the very same prompt ids
+  (pre-tokenised), same sampling. Figure: throughput ratio floor_s / runner_s (target >= 0.8).
+* ``api``: 256 chat requests through ``OpenAIBackend`` (and ``AnthropicBackend``) at
+  ``max_concurrency=64`` against a local server (its own process) that answers after 100 ms.
+  The ideal is 256 / 64 x 0.1 s = 0.4 s. Figure: wall_s / 0.4 (target <= 1.3).
+
+Rounds are interleaved; ratios use each side's best round (these shared 2-core machines
+drift from minute to minute), medians are reported beside them. Torch runs on one thread,
+on both sides, so another process's load does not stall its thread barrier.
+The last line printed is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the shared fakes: DigitEnv and the API server
+
+SERVER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from fakes import ChatAPIServer
+server = ChatAPIServer(latency_s={latency}).start()
+print(server.port, flush=True)
+sys.stdin.read()
+"""
+
+
+def bench_runner(tasks: int, max_tokens: int, rounds: int) -> dict[str, Any]:
+    import torch
+    from fakes import DigitEnvFactory
+
+    from agile_llmenvs.backends import HFBackend, SamplingParams
+    from agile_llmenvs.core import from_text_env
+    from agile_llmenvs.evaluation import RunnerConfig, TrajectoryRunner
+    from agile_llmenvs.tiny_model import build_tiny_model
+
+    torch.set_num_threads(1)
+    model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
+    backend = HFBackend(model_dir)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)  # every row: all tokens
+    env = from_text_env(DigitEnvFactory())
+    runner = TrajectoryRunner(env, backend, params, config=RunnerConfig(system_prompt="Digits."))
+    prompts = [
+        backend.encode_chat(runner.messages(runner.start(i))) for i in range(tasks)
+    ]  # the same ids the runner will send
+    backend.generate(prompts[:2], params)  # warm-up
+    floor, ours = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        backend.generate(prompts, params)
+        floor.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        result = runner.run_batch(range(tasks))
+        ours.append(time.perf_counter() - start)
+        assert result.num_tasks == tasks
+        assert result.num_errors == 0
+    return {
+        "tasks": tasks,
+        "max_tokens": max_tokens,
+        "floor_best_s": round(min(floor), 4),
+        "runner_best_s": round(min(ours), 4),
+        "floor_median_s": round(statistics.median(floor), 4),
+        "runner_median_s": round(statistics.median(ours), 4),
+        "throughput_ratio": round(min(floor) / min(ours), 3),
+    }
+
+
+def bench_api(requests: int, concurrency: int, latency: float, rounds: int) -> dict[str, Any]:
+    from agile_llmenvs.backends import AnthropicBackend, OpenAIBackend, SamplingParams
+
+    code = SERVER.format(tests=str(ROOT / "tests"), latency=latency)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        backends = {
+            "openai": OpenAIBackend(
+                "m", base_url=f"http://127.0.0.1:{port}/v1", max_concurrency=concurrency
+            ),
+            "anthropic": AnthropicBackend(
+                "m", base_url=f"http://127.0.0.1:{port}", max_concurrency=concurrency
+            ),
+        }
+        batch = [[{"role": "user", "content": f"Say the digit {i % 10}."}] for i in range(requests)]
+        params = SamplingParams(max_tokens=4)
+        walls: dict[str, list[float]] = {name: [] for name in backends}
+        for backend in backends.values():
+            backend.generate_chat_batch(batch, params)  # warm-up: connections opened
+        for _ in range(rounds):
+            for name, backend in backends.items():
+                start = time.perf_counter()
+                completions = backend.generate_chat_batch(batch, params)
+                walls[name].append(time.perf_counter() - start)
+                assert all(c.finish_reason == "stop" for c in completions)
+        for backend in backends.values():
+            backend.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    ideal = requests / concurrency * latency
+    out: dict[str, Any] = {"requests": requests, "max_concurrency": concurrency, "ideal_s": ideal}
+    for name, times in walls.items():
+        out[f"{name}_best_s"] = round(min(times), 4)
+        out[f"{name}_median_s"] = round(statistics.median(times), 4)
+        out[f"{name}_ratio"] = round(min(times) / ideal, 3)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    runner = bench_runner(args.tasks, args.max_tokens, args.rounds)
+    print("runner", json.dumps(runner))
+    api = bench_api(256, 64, 0.1, args.rounds)
+    print("api", json.dumps(api))
+    summary = {
+        "bench": "eval_runner",
+        "runner_throughput_ratio": runner["throughput_ratio"],
+        "runner_target": ">= 0.8",
+        "api_openai_ratio": api["openai_ratio"],
+        "api_anthropic_ratio": api["anthropic_ratio"],
+        "api_target": "<= 1.3",
+        "runner": runner,
+        "api": api,
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

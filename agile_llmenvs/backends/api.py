@@ -124,6 +124,26 @@ def is_retryable_status(status: int | None) -> bool:
     return status is None or status == 429 or status >= 500
 
 
+def translate_sdk_error(exc: Exception, sdk: Any) -> APIFailure | None:
+    """An OpenAI or Anthropic SDK error as an :class:`APIFailure` (None: not the SDK's).
+
+    Both official SDKs raise ``APIStatusError`` (with the response) and
+    ``APIConnectionError`` (timeouts included): the first retries on 429 and 5xx, the second
+    always.
+    """
+    if isinstance(exc, sdk.APIStatusError):
+        status = exc.status_code
+        return APIFailure(
+            error_message(exc.body, str(exc.message)),
+            status,
+            is_retryable_status(status),
+            parse_retry_after(exc.response.headers),
+        )
+    if isinstance(exc, sdk.APIConnectionError):
+        return APIFailure(str(exc) or type(exc).__name__, None, True)
+    return None
+
+
 def aiohttp_client(sdk: Any) -> Any:
     """The SDK's aiohttp-based HTTP client when ``aiohttp`` is installed, else ``None``.
 

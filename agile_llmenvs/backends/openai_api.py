@@ -15,9 +15,7 @@ from agile_llmenvs.backends.api import (
     APIBackend,
     APIFailure,
     aiohttp_client,
-    error_message,
-    is_retryable_status,
-    parse_retry_after,
+    translate_sdk_error,
 )
 from agile_llmenvs.backends.types import (
     Completion,
@@ -129,18 +127,7 @@ class OpenAIBackend(APIBackend):
         return parse_chat_completion(payload)
 
     def _translate(self, exc: Exception) -> APIFailure | None:
-        openai = _import_openai()
-        if isinstance(exc, openai.APIStatusError):
-            status = exc.status_code
-            return APIFailure(
-                error_message(exc.body, str(exc.message)),
-                status,
-                is_retryable_status(status),
-                parse_retry_after(exc.response.headers),
-            )
-        if isinstance(exc, openai.APIConnectionError):  # includes timeouts
-            return APIFailure(str(exc) or type(exc).__name__, None, True)
-        return None
+        return translate_sdk_error(exc, _import_openai())
 
 
 class OpenRouterBackend(OpenAIBackend):

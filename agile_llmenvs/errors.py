@@ -22,6 +22,8 @@ __all__ = [
     "ImportPathError",
     "ManifestError",
     "OptionalDependencyError",
+    "SlotTimeoutError",
+    "StaleEpisodeError",
     "StaleStateError",
 ]
 
@@ -139,3 +141,13 @@ class EnvStateError(EnvError):
     """A call made in the wrong lifecycle state (step before reset, after close, after done)."""
 
     code = "INVALID_STATE"
+
+
+class StaleEpisodeError(EnvStateError):
+    """A step for an episode that was finalized while its env round trip was in flight."""
+
+    code = "STALE_EPISODE"
+
+
+class SlotTimeoutError(AgileLLMEnvsError, TimeoutError):
+    """No rollout slot became free within ``slot_acquire_timeout_s``."""

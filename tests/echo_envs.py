@@ -90,3 +90,37 @@ class ScriptedEnv:
 
     def close(self) -> None:
         pass
+
+
+class RowEnv:
+    """A dataset env of ``rows`` rows: row ``r`` asks for its number, for ``turns`` turns.
+
+    Each turn pays 1.0 when the action is the row number. An action ``hang`` blocks for
+    ``hang_s`` seconds; resetting to a row in ``fail_rows`` raises.
+    """
+
+    def __init__(self, rows: int = 8, turns: int = 1, fail_rows: Sequence[int] = (),
+                 hang_s: float = 30.0) -> None:
+        self.dataset_size = rows
+        self.turns = turns
+        self.fail_rows = set(fail_rows)
+        self.hang_s = hang_s
+        self.row = -1
+        self.turn = 0
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> tuple[str, dict[str, Any]]:
+        self.row = int(task.get("row_index", 0))
+        if self.row in self.fail_rows:
+            raise RuntimeError(f"row {self.row} cannot be loaded")
+        self.turn = 0
+        return f"Say {self.row}.", {"row": self.row, "seed": seed}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if action.strip() == "hang":
+            time.sleep(self.hang_s)
+        self.turn += 1
+        reward = 1.0 if action.strip() == str(self.row) else 0.0
+        return f"Again: say {self.row}.", reward, self.turn >= self.turns, False, {}
+
+    def close(self) -> None:
+        pass

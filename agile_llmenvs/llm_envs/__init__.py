@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from agile_llmenvs.llm_envs.collector import EpisodeHandle, RolloutCollector
 from agile_llmenvs.llm_envs.contract import (
     SupportsDatasetSize,
     SupportsMaxTurns,
@@ -12,6 +13,8 @@ from agile_llmenvs.llm_envs.contract import (
 from agile_llmenvs.llm_envs.episode import EpisodeData, StopReason, TokenSample, TurnResult
 from agile_llmenvs.llm_envs.framing import ChatTemplateError, apply_chat_template
 from agile_llmenvs.llm_envs.harness import HarnessConfig, RolloutHarness
+from agile_llmenvs.llm_envs.tasks import Task, TaskAssigner, TaskRowStats
+from agile_llmenvs.llm_envs.trajectory import RolloutBatch, Trajectory
 from agile_llmenvs.transport import (
     EnvReply,
     InProcessEnvClient,
@@ -27,21 +30,28 @@ __all__ = [
     "ChatTemplateError",
     "EnvReply",
     "EpisodeData",
+    "EpisodeHandle",
     "HarnessConfig",
     "InProcessEnvClient",
     "OpenEnvServer",
     "OpenEnvWrapper",
     "RemoteEnvClient",
+    "RolloutBatch",
+    "RolloutCollector",
     "RolloutHarness",
     "StopReason",
     "SupportsDatasetSize",
     "SupportsMaxTurns",
     "SupportsSnapshot",
     "SupportsTools",
+    "Task",
+    "TaskAssigner",
+    "TaskRowStats",
     "TextAction",
     "TextEnv",
     "TextObservation",
     "TokenSample",
+    "Trajectory",
     "TurnResult",
     "apply_chat_template",
     "resolve_env",

@@ -19,6 +19,7 @@ class StopReason(StrEnum):
     PROMPT_LIMIT = "prompt_limit"  # the first prompt alone was over max_model_len
     CONTEXT_LIMIT = "context_limit"  # the next observation would pass max_model_len
     ENV_ERROR = "env_error"  # the env failed (an exception, a lost connection, a timeout)
+    ABORTED = "aborted"  # the caller ended the episode early
 
 
 @dataclass(frozen=True)

@@ -283,6 +283,22 @@ class RolloutHarness:
             tuple(episode.samples), tuple(episode.rewards), episode.stop_reason, dict(episode.info)
         )
 
+    def abort(self, reason: str = "aborted by the caller") -> None:
+        """End a running episode early (``StopReason.ABORTED``); its data stays readable."""
+        episode = self._require_episode()
+        if episode.stop_reason is None:
+            episode.info["aborted"] = reason
+            self._finish(StopReason.ABORTED)
+
+    def dataset_size(self) -> int:
+        """Rows of the env's dataset (0 for a procedural env), from the env's state."""
+        try:
+            state = self.client.state()
+        except EnvStateError:  # a remote session opens on the first reset
+            self.client.reset()
+            state = self.client.state()
+        return int(state.get("dataset_size") or 0)
+
     def eval_mode(self) -> None:
         """Select reset kwargs from ``eval_tasks`` (when given)."""
         self.eval = True

@@ -1,0 +1,402 @@
+"""RolloutCollector: GRPO groups of token-exact rollouts over one rank's rollout slots."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from agile_llmenvs.errors import AgileLLMEnvsError, SlotTimeoutError, StaleEpisodeError
+from agile_llmenvs.llm_envs.episode import TurnResult
+from agile_llmenvs.llm_envs.harness import RolloutHarness
+from agile_llmenvs.llm_envs.tasks import Task, TaskAssigner
+from agile_llmenvs.llm_envs.trajectory import RolloutBatch, Trajectory, failed_episode
+
+__all__ = ["EpisodeHandle", "Generate", "RolloutCollector"]
+
+Generate = Callable[[list[list[int]]], Sequence[Any]]
+"""A policy: context ids of every live slot -> sampled ids (or ``(ids, logps)``) for each."""
+
+
+@dataclass(frozen=True)
+class EpisodeHandle:
+    """A slot held by one episode of the per-episode path, from reset to finalize."""
+
+    slot: int
+    episode_id: int
+    group: int
+    task: Task
+    prompt_ids: list[int]
+    done: bool = False
+
+
+@dataclass
+class _Slot:
+    harness: RolloutHarness | None = None
+    episode_id: int | None = None  # held by this episode (per-episode path)
+    in_flight: bool = False
+    release_pending: bool = False
+    failure: str | None = None
+
+
+class RolloutCollector:
+    """Batched collector over one rank's share of a global batch.
+
+    ``batch_size`` is the world-wide group count; this rank holds ``(batch_size /
+    world_size) * group_size`` harness slots, built lazily from ``env_factory``. Drive it
+    lock-step (:meth:`reset` / :meth:`step` / :meth:`get_trajectories`, or :meth:`collect`
+    with a policy) or per episode (:meth:`reset_episode` / :meth:`step_episode` /
+    :meth:`finalize_episode`, thread-safe). Env calls of all slots run concurrently; a slot
+    whose env call exceeds ``io_timeout_s`` is closed and replaced, and only its episode fails.
+
+    Args:
+        env_factory: Builds one :class:`RolloutHarness` (called with ``**env_config``).
+        batch_size: GRPO groups per step, across all ranks.
+        group_size: Episodes per group, sharing one task.
+        env_config: Keyword arguments for ``env_factory``.
+        io_timeout_s: Longest an env call may take (None: unbounded).
+        base_seed: Seed of the task order and task seeds.
+        slot_acquire_timeout_s: Longest :meth:`reset_episode` waits for a free slot.
+        rank: This rank (default: the torch.distributed rank, else 0).
+        world_size: Ranks (default: the torch.distributed world size, else 1).
+        adaptive_task_sampling: Draw rows by recent informative-group rate.
+    """
+
+    def __init__(
+        self,
+        env_factory: Callable[..., RolloutHarness],
+        batch_size: int,
+        group_size: int,
+        env_config: dict[str, Any] | None = None,
+        io_timeout_s: float | None = 600.0,
+        base_seed: int | None = None,
+        slot_acquire_timeout_s: float | None = 300.0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        adaptive_task_sampling: bool = False,
+    ) -> None:
+        rank, world_size = _distributed(rank, world_size)
+        if group_size < 1 or batch_size < 1 or batch_size % world_size:
+            raise ValueError(
+                f"batch_size ({batch_size}) must be a positive multiple of "
+                f"world_size ({world_size}), and group_size ({group_size}) >= 1"
+            )
+        self.env_factory, self.env_config = env_factory, dict(env_config or {})
+        self.group_size, self.groups = group_size, batch_size // world_size
+        self.io_timeout_s, self.slot_acquire_timeout_s = io_timeout_s, slot_acquire_timeout_s
+        self.rank, self.world_size, self.base_seed = rank, world_size, base_seed
+        self.adaptive = adaptive_task_sampling
+        self.num_slots = self.groups * group_size
+        self._slots = [_Slot() for _ in range(self.num_slots)]
+        self._pool = ThreadPoolExecutor(2 * self.num_slots, thread_name_prefix="rollout-slot")
+        self._assigner: TaskAssigner | None = None
+        self._tasks: list[Task] = []
+        self._lock = threading.Condition()
+        self._next_episode = 0
+        self._open_group: tuple[int, Task, int] | None = None  # (group, task, members left)
+        self._group_counter = 0
+
+    # -- tasks -------------------------------------------------------------------------------
+
+    @property
+    def assigner(self) -> TaskAssigner:
+        """The task assigner (built on first use, from the env's ``dataset_size``)."""
+        if self._assigner is None:
+            rows = self._harness(0).dataset_size()
+            self._assigner = TaskAssigner(
+                rows,
+                seed=self.base_seed,
+                rank=self.rank,
+                world_size=self.world_size,
+                adaptive=self.adaptive,
+            )
+        return self._assigner
+
+    @property
+    def num_epochs(self) -> int:
+        """Full passes over this rank's shard of the dataset."""
+        return self.assigner.num_epochs
+
+    def state_dict(self) -> dict[str, Any]:
+        """The task assigner's state, to resume the exact task sequence."""
+        return {"assigner": self.assigner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`."""
+        self.assigner.load_state_dict(state["assigner"])
+
+    # -- lock-step path ----------------------------------------------------------------------
+
+    def reset(self) -> list[list[int]]:
+        """Start one episode per slot, a fresh task per group; returns each slot's prompt
+        (empty for a slot whose env failed)."""
+        assigner = self.assigner
+        self._tasks = [assigner.next_task() for _ in range(self.groups)]
+        for slot in self._slots:
+            slot.failure = None
+        calls = {i: self._reset_call(i) for i in range(self.num_slots)}
+        prompts = self._run(calls)
+        return [prompts.get(i) or [] for i in range(self.num_slots)]
+
+    @property
+    def live_slots(self) -> list[int]:
+        """Slots whose episode is still running."""
+        return [
+            i
+            for i, slot in enumerate(self._slots)
+            if slot.failure is None and slot.harness is not None and not slot.harness.done
+        ]
+
+    def contexts(self) -> dict[int, list[int]]:
+        """Each live slot's context: the prompt of its next generation."""
+        return {i: self._harness(i).context_ids for i in self.live_slots}
+
+    def step(
+        self,
+        completions: dict[int, Sequence[int]],
+        sampling_logps: dict[int, Sequence[float]] | None = None,
+    ) -> dict[int, TurnResult]:
+        """Play one turn on every slot in ``completions`` (live slots only), concurrently."""
+        logps = sampling_logps or {}
+        calls: dict[int, Callable[[], Any]] = {
+            i: partial(self._harness(i).step, ids, logps.get(i)) for i, ids in completions.items()
+        }
+        return self._run(calls)
+
+    def get_trajectories(self) -> list[Trajectory]:
+        """Every slot's trajectory, in contiguous groups (a failed env gives a failed value)."""
+        trajectories = []
+        for i, slot in enumerate(self._slots):
+            group = i // self.group_size
+            if slot.failure is not None or slot.harness is None:
+                episode = failed_episode(slot.failure or "the slot has no env")
+            else:
+                if not slot.harness.done:
+                    slot.harness.abort("collected before it ended")
+                episode = slot.harness.get_episode_data()
+            trajectories.append(Trajectory(group, i, self._tasks[group], episode))
+        return trajectories
+
+    def collect(
+        self, generate: Generate, *, dynamic_sampling: bool = False, max_attempts: int = 4
+    ) -> RolloutBatch:
+        """Play a whole batch with ``generate`` as the policy.
+
+        With ``dynamic_sampling``, groups whose rewards are all equal are dropped and the
+        batch is refilled from new tasks, for at most ``max_attempts`` rounds; the batch is
+        then topped up with uninformative groups so every rank returns the same count.
+        """
+        kept: list[tuple[Trajectory, ...]] = []
+        spare: list[tuple[Trajectory, ...]] = []
+        attempts = 0
+        while len(kept) < self.groups and attempts < (max_attempts if dynamic_sampling else 1):
+            attempts += 1
+            for group in self._play(generate):
+                informative = self._record(group)
+                (kept if informative or not dynamic_sampling else spare).append(group)
+        informative_count = sum(1 for g in kept if len({t.reward for t in g}) > 1)
+        groups = (kept + spare)[: self.groups]
+        flat = tuple(_regroup(groups, self.group_size))
+        return RolloutBatch(
+            flat, self.group_size, informative_count, attempts, sum(t.failed for t in flat)
+        )
+
+    def _play(self, generate: Generate) -> list[tuple[Trajectory, ...]]:
+        self.reset()
+        while live := self.contexts():
+            slots = list(live)
+            outputs = generate([live[i] for i in slots])
+            completions, logps = {}, {}
+            for i, output in zip(slots, outputs, strict=True):
+                ids, lp = output if isinstance(output, tuple) else (output, None)
+                completions[i] = ids
+                if lp is not None:
+                    logps[i] = lp
+            self.step(completions, logps or None)
+        trajectories = self.get_trajectories()
+        return [
+            tuple(trajectories[g * self.group_size : (g + 1) * self.group_size])
+            for g in range(self.groups)
+        ]
+
+    def _record(self, group: tuple[Trajectory, ...]) -> bool:
+        task = group[0].task
+        rewards = [t.reward for t in group]
+        if task.row_index is None:
+            return len(set(rewards)) > 1
+        return self.assigner.record_outcome(task.row_index, rewards)
+
+    # -- per-episode path --------------------------------------------------------------------
+
+    def reset_episode(self) -> EpisodeHandle:
+        """Hold a free slot and start an episode on it (thread-safe).
+
+        Raises:
+            SlotTimeoutError: no slot became free within ``slot_acquire_timeout_s``.
+        """
+        with self._lock:
+            ok = self._lock.wait_for(
+                lambda: any(s.episode_id is None for s in self._slots),
+                timeout=self.slot_acquire_timeout_s,
+            )
+            if not ok:
+                raise SlotTimeoutError(
+                    f"no rollout slot became free within {self.slot_acquire_timeout_s} s"
+                )
+            index = next(i for i, s in enumerate(self._slots) if s.episode_id is None)
+            episode_id, self._next_episode = self._next_episode, self._next_episode + 1
+            group, task = self._group_member()
+            slot = self._slots[index]
+            slot.episode_id, slot.failure, slot.release_pending = episode_id, None, False
+        prompts = self._run({index: self._reset_call(index, task)})
+        prompt = prompts.get(index) or []
+        done = slot.failure is not None or self._harness(index).done
+        return EpisodeHandle(index, episode_id, group, task, prompt, done)
+
+    def step_episode(
+        self,
+        handle: EpisodeHandle,
+        completion_ids: Sequence[int],
+        sampling_logps: Sequence[float] | None = None,
+    ) -> TurnResult:
+        """Play one turn of the handle's episode (thread-safe).
+
+        Raises:
+            StaleEpisodeError: the episode was finalized (before or during this call).
+        """
+        slot = self._slots[handle.slot]
+        with self._lock:
+            self._check_current(handle)
+            slot.in_flight = True
+        harness = self._harness(handle.slot)
+        try:
+            results = self._run({handle.slot: lambda: harness.step(completion_ids, sampling_logps)})
+        finally:
+            with self._lock:
+                slot.in_flight = False
+                stale = slot.episode_id != handle.episode_id or slot.release_pending
+                if slot.release_pending:
+                    self._release(handle.slot)
+        if stale:
+            raise StaleEpisodeError(
+                f"episode {handle.episode_id} was finalized while its "
+                "step was in flight; the result is discarded"
+            )
+        if handle.slot not in results:
+            return TurnResult([], 0.0, True, {"error": slot.failure})
+        return results[handle.slot]
+
+    def finalize_episode(self, handle: EpisodeHandle) -> Trajectory:
+        """End the handle's episode, release its slot and return its trajectory."""
+        with self._lock:
+            self._check_current(handle)
+            slot = self._slots[handle.slot]
+            if slot.in_flight:  # the step's thread owns the harness: release when it returns
+                slot.release_pending = True
+                episode = failed_episode("finalized while a step was in flight")
+                return Trajectory(handle.group, handle.slot, handle.task, episode)
+            if slot.failure is not None or slot.harness is None:
+                episode = failed_episode(slot.failure or "the slot has no env")
+            else:
+                if not slot.harness.done:
+                    slot.harness.abort("finalized before it ended")
+                episode = slot.harness.get_episode_data()
+            self._release(handle.slot)
+        return Trajectory(handle.group, handle.slot, handle.task, episode)
+
+    def _group_member(self) -> tuple[int, Task]:
+        if self._open_group is None or self._open_group[2] == 0:
+            self._open_group = (self._group_counter, self.assigner.next_task(), self.group_size)
+            self._group_counter += 1
+        group, task, left = self._open_group
+        self._open_group = (group, task, left - 1)
+        return group, task
+
+    def _check_current(self, handle: EpisodeHandle) -> None:
+        slot = self._slots[handle.slot]
+        if slot.episode_id != handle.episode_id or slot.release_pending:
+            raise StaleEpisodeError(
+                f"episode {handle.episode_id} is no longer on slot {handle.slot}; it was finalized"
+            )
+
+    def _release(self, index: int) -> None:
+        slot = self._slots[index]
+        slot.episode_id, slot.release_pending = None, False
+        self._lock.notify_all()
+
+    # -- slots and env calls -----------------------------------------------------------------
+
+    def _harness(self, index: int) -> RolloutHarness:
+        slot = self._slots[index]
+        if slot.harness is None:
+            slot.harness = self.env_factory(**self.env_config)
+        return slot.harness
+
+    def _reset_call(self, index: int, task: Task | None = None) -> Callable[[], list[int]]:
+        task = task or self._tasks[index // self.group_size]
+        return lambda: self._harness(index).reset(**task.reset_kwargs())
+
+    def _run(self, calls: dict[int, Callable[[], Any]]) -> dict[int, Any]:
+        """Run each slot's env call concurrently; a call that raises or outlives
+        ``io_timeout_s`` fails its slot (recorded, not raised)."""
+        futures: dict[int, Future[Any]] = {i: self._pool.submit(c) for i, c in calls.items()}
+        done, _ = wait(futures.values(), timeout=self.io_timeout_s)
+        results = {}
+        for index, future in futures.items():
+            if future not in done:
+                self._replace(index, f"the env call exceeded io_timeout_s={self.io_timeout_s}")
+            elif (error := future.exception()) is not None:
+                self._slots[index].failure = f"{type(error).__name__}: {error}"
+            else:
+                results[index] = future.result()
+        return results
+
+    def _replace(self, index: int, reason: str) -> None:
+        slot = self._slots[index]
+        slot.failure = reason
+        hung, slot.harness = slot.harness, None  # a fresh env is built on the slot's next use
+        if hung is not None:
+            self._pool.submit(_close_quietly, hung)
+
+    def close(self) -> None:
+        """Close every slot's env."""
+        for slot in self._slots:
+            if slot.harness is not None:
+                _close_quietly(slot.harness)
+                slot.harness = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _close_quietly(harness: RolloutHarness) -> None:
+    with contextlib.suppress(Exception):
+        harness.close()
+
+
+def _regroup(groups: list[tuple[Trajectory, ...]], group_size: int) -> list[Trajectory]:
+    """Renumber kept groups 0..n-1 in order (dynamic sampling mixes rounds)."""
+    out = []
+    for number, group in enumerate(groups):
+        out += [Trajectory(number, t.slot, t.task, t.episode) for t in group]
+    return out
+
+
+def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return (
+                dist.get_rank() if rank is None else rank,
+                dist.get_world_size() if world_size is None else world_size,
+            )
+    except ImportError:  # pragma: no cover - torch is a core dependency
+        pass
+    if (rank or 0) != 0 and world_size is None:
+        raise AgileLLMEnvsError(f"rank={rank} needs world_size outside torch.distributed")
+    return rank or 0, world_size or 1

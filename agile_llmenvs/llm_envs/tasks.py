@@ -118,7 +118,9 @@ class TaskAssigner:
     @property
     def num_epochs(self) -> int:
         """Full passes completed over this rank's shard."""
-        return self.epoch
+        if not self.per_epoch:
+            return 0
+        return (self.epoch * self.per_epoch + self.position) // self.per_epoch
 
     def shard(self) -> list[int]:
         """This rank's rows in the current epoch, in draw order."""

@@ -34,10 +34,13 @@ def test_shards_are_disjoint_equal_and_cover_every_row(size: int, world: int) ->
 
 def test_epochs_reshuffle_and_count() -> None:
     assigner = TaskAssigner(20, seed=1)
-    first = [assigner.next_task().row_index for _ in range(20)]
     assert assigner.num_epochs == 0
-    second = [assigner.next_task().row_index for _ in range(20)]
+    first = [assigner.next_task().row_index for _ in range(20)]
     assert assigner.num_epochs == 1
+    second = [assigner.next_task().row_index for _ in range(19)]
+    assert assigner.num_epochs == 1
+    second.append(assigner.next_task().row_index)
+    assert assigner.num_epochs == 2
     assert sorted(first) == sorted(second) == list(range(20))
     assert first != second
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,24 +26,31 @@ def test_each_rank_gets_its_own_shard_and_the_same_number_of_groups(
         "PYTHONPATH": os.pathsep.join([str(HERE.parent), *sys.path]),
         "OMP_NUM_THREADS": "1",
     }
-    done = subprocess.run(
-        [
-            torchrun,
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            "0",
-            str(HERE / "distributed_collect.py"),
-            str(tiny_model_dir),
-            str(report),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
+    log = (tmp_path / "torchrun.log").open("w")
+    command = [
+        torchrun,
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(HERE / "distributed_collect.py"),
+        str(tiny_model_dir),
+        str(report),
+    ]
+    proc = subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         env=env,
-        check=False,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    try:
+        returncode = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        returncode = -1
+    log.close()
+    assert returncode == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
     ranks = json.loads(report.read_text())
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["world"] == 2 for r in ranks)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from agile_llmenvs.llm_envs.episode import TurnResult
 from agile_llmenvs.llm_envs.harness import RolloutHarness
 from agile_llmenvs.llm_envs.tasks import Task, TaskAssigner
 from agile_llmenvs.llm_envs.trajectory import RolloutBatch, Trajectory, failed_episode
+from agile_llmenvs.transport.calls import CallPolicy
+from agile_llmenvs.transport.client import InProcessEnvClient
 
 __all__ = ["EpisodeHandle", "Generate", "RolloutCollector"]
 
@@ -93,6 +96,8 @@ class RolloutCollector:
         self.num_slots = self.groups * group_size
         self._slots = [_Slot() for _ in range(self.num_slots)]
         self._pool = ThreadPoolExecutor(2 * self.num_slots, thread_name_prefix="rollout-slot")
+        self._calls = CallPolicy("auto")
+        self._calls.always_threaded.add(_RemoteCalls)
         self._assigner: TaskAssigner | None = None
         self._tasks: list[Task] = []
         self._lock = threading.Condition()
@@ -341,11 +346,28 @@ class RolloutCollector:
         return lambda: self._harness(index).reset(**task.reset_kwargs())
 
     def _run(self, calls: dict[int, Callable[[], Any]]) -> dict[int, Any]:
-        """Run each slot's env call concurrently; a call that raises or outlives
-        ``io_timeout_s`` fails its slot (recorded, not raised)."""
-        futures: dict[int, Future[Any]] = {i: self._pool.submit(c) for i, c in calls.items()}
-        done, _ = wait(futures.values(), timeout=self.io_timeout_s)
+        """Run each slot's env call; a call that raises or outlives ``io_timeout_s`` fails its
+        slot (recorded, not raised).
+
+        Calls run concurrently on worker threads, which enforce the timeout. A hop to a worker
+        costs more than a fast in-process env's whole turn, so an in-process env class that
+        has shown its calls are fast runs inline instead (see
+        :class:`~agile_llmenvs.transport.calls.CallPolicy`); one slow inline call sends it
+        back to the threads.
+        """
+        inline = {i: c for i, c in calls.items() if self._calls.inline(self._env_class(i))}
+        futures: dict[int, Future[Any]] = {
+            i: self._pool.submit(self._timed, i, c, False)
+            for i, c in calls.items()
+            if i not in inline
+        }
         results = {}
+        for index, call in inline.items():
+            try:
+                results[index] = self._timed(index, call, True)
+            except Exception as exc:
+                self._slots[index].failure = f"{type(exc).__name__}: {exc}"
+        done, _ = wait(futures.values(), timeout=self.io_timeout_s)
         for index, future in futures.items():
             if future not in done:
                 self._replace(index, f"the env call exceeded io_timeout_s={self.io_timeout_s}")
@@ -354,6 +376,23 @@ class RolloutCollector:
             else:
                 results[index] = future.result()
         return results
+
+    def _timed(self, index: int, call: Callable[[], Any], inline: bool) -> Any:
+        env_class = self._env_class(index)
+        start = time.perf_counter()
+        try:
+            return call()
+        finally:
+            self._calls.record(env_class, time.perf_counter() - start, inline=inline)
+
+    def _env_class(self, index: int) -> type:
+        """The class whose calls the policy judges: an in-process env's, else the client's
+        (remote calls always go to threads: their waiting is what runs concurrently)."""
+        client = self._harness(index).client
+        if isinstance(client, InProcessEnvClient):
+            env = client.env
+            return type(getattr(env, "inner", env))
+        return _RemoteCalls
 
     def _replace(self, index: int, reason: str) -> None:
         slot = self._slots[index]
@@ -369,6 +408,10 @@ class RolloutCollector:
                 _close_quietly(slot.harness)
                 slot.harness = None
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _RemoteCalls:
+    """Stands for every env reached over the wire: its calls always run on threads."""
 
 
 def _close_quietly(harness: RolloutHarness) -> None:

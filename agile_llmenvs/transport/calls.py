@@ -38,11 +38,14 @@ class CallPolicy:
         self.demote_after_s = demote_after_s
         self._fast_calls: dict[type, int] = {}
         self._demoted: set[type] = set()
+        self.always_threaded: set[type] = set()
 
     def inline(self, env_class: type) -> bool:
         """Whether the next call of ``env_class`` runs inline."""
         if self.mode != "auto":
             return self.mode == "inline"
+        if env_class in self.always_threaded:
+            return False
         return env_class not in self._demoted and self._fast_calls.get(env_class, 0) >= (
             WARMUP_CALLS
         )

@@ -99,8 +99,9 @@ class RowEnv:
     ``hang_s`` seconds; resetting to a row in ``fail_rows`` raises.
     """
 
-    def __init__(self, rows: int = 8, turns: int = 1, fail_rows: Sequence[int] = (),
-                 hang_s: float = 30.0) -> None:
+    def __init__(
+        self, rows: int = 8, turns: int = 1, fail_rows: Sequence[int] = (), hang_s: float = 30.0
+    ) -> None:
         self.dataset_size = rows
         self.turns = turns
         self.fail_rows = set(fail_rows)

@@ -209,3 +209,18 @@ def test_batch_must_split_across_ranks(tokenizer: Any) -> None:
         collector(tokenizer, batch=3, rank=0, world_size=2)
     two_ranks = collector(tokenizer, batch=4, group=3, rank=1, world_size=2)
     assert (two_ranks.groups, two_ranks.num_slots) == (2, 6)
+
+
+def test_fast_in_process_envs_run_inline_until_one_call_is_slow(tokenizer: Any) -> None:
+    from agile_llmenvs.transport.calls import WARMUP_CALLS
+
+    collect = collector(tokenizer, batch=1, group=1, turns=1000)
+    policy = collect._calls
+    assert not policy.inline(RowEnv)  # unproven: on a worker thread
+    collect.reset()
+    for _ in range(WARMUP_CALLS + 1):
+        collect.step({0: [5, EOS]})
+    assert policy.inline(RowEnv)
+    collect._slots[0].harness.client.env.inner.hang_s = 0.02  # type: ignore[union-attr]
+    collect.step({0: [*tokenizer.encode("hang", add_special_tokens=False), EOS]})
+    assert not policy.inline(RowEnv)  # one slow inline call: back to the threads for good

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from agile_llmenvs import errors
+from agile_llmenvs.transport.types import TextObservation
 
 __all__ = [
     "ErrorCode",
@@ -103,7 +104,17 @@ def parse_message(raw: str) -> ResetMessage | StepMessage | StateMessage | Close
 
 def observation_frame(observation: BaseModel) -> str:
     """The ``observation`` reply for an OpenEnv observation (OpenEnv's own layout)."""
-    fields = observation.model_dump(mode="json", exclude={"reward", "done"})
+    if type(observation) is TextObservation:  # the hot path: its fields are JSON already
+        o: Any = observation
+        fields = {
+            "metadata": o.metadata,
+            "prompt": o.prompt,
+            "truncated": o.truncated,
+            "question": o.question,
+            "answer": o.answer,
+        }
+    else:
+        fields = observation.model_dump(mode="json", exclude={"reward", "done"})
     data: dict[str, Any] = {
         "observation": fields,
         "reward": observation.reward,  # type: ignore[attr-defined]

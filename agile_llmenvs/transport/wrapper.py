@@ -62,7 +62,7 @@ class OpenEnvWrapper(Environment):
         """Start an episode of the inner env; reset kwargs are the task (e.g. ``row_index``)."""
         prompt, info = self.inner.reset(seed=seed, **kwargs)
         self._state = TextState(episode_id=episode_id, step_count=0)
-        return TextObservation(prompt=str(prompt), metadata=jsonable(info or {}))
+        return TextObservation.model_construct(prompt=str(prompt), metadata=jsonable(info or {}))
 
     def step(
         self, action: TextAction, timeout_s: float | None = None, **kwargs: Any
@@ -72,7 +72,8 @@ class OpenEnvWrapper(Environment):
         self._state.step_count += 1
         done = bool(terminated or truncated)
         info = jsonable(info or {})
-        return TextObservation(
+        # every field is coerced here, so skip re-validating it: this is the hot path
+        return TextObservation.model_construct(
             prompt=str(prompt),
             reward=float(reward),
             done=done,

@@ -12,7 +12,7 @@ from functools import partial
 from typing import Any
 
 from agile_llmenvs.errors import AgileLLMEnvsError, SlotTimeoutError, StaleEpisodeError
-from agile_llmenvs.llm_envs.episode import TurnResult
+from agile_llmenvs.llm_envs.episode import EpisodeData, TurnResult
 from agile_llmenvs.llm_envs.harness import RolloutHarness
 from agile_llmenvs.llm_envs.tasks import Task, TaskAssigner
 from agile_llmenvs.llm_envs.trajectory import RolloutBatch, Trajectory, failed_episode
@@ -175,14 +175,9 @@ class RolloutCollector:
     def get_trajectories(self) -> list[Trajectory]:
         """Every slot's trajectory, in contiguous groups (a failed env gives a failed value)."""
         trajectories = []
-        for i, slot in enumerate(self._slots):
+        for i in range(self.num_slots):
             group = i // self.group_size
-            if slot.failure is not None or slot.harness is None:
-                episode = failed_episode(slot.failure or "the slot has no env")
-            else:
-                if not slot.harness.done:
-                    slot.harness.abort("collected before it ended")
-                episode = slot.harness.get_episode_data()
+            episode = self._slot_episode(i, "collected before it ended")
             trajectories.append(Trajectory(group, i, self._tasks[group], episode))
         return trajectories
 
@@ -304,14 +299,18 @@ class RolloutCollector:
                 slot.release_pending = True
                 episode = failed_episode("finalized while a step was in flight")
                 return Trajectory(handle.group, handle.slot, handle.task, episode)
-            if slot.failure is not None or slot.harness is None:
-                episode = failed_episode(slot.failure or "the slot has no env")
-            else:
-                if not slot.harness.done:
-                    slot.harness.abort("finalized before it ended")
-                episode = slot.harness.get_episode_data()
+            episode = self._slot_episode(handle.slot, "finalized before it ended")
             self._release(handle.slot)
         return Trajectory(handle.group, handle.slot, handle.task, episode)
+
+    def _slot_episode(self, index: int, abort_reason: str) -> EpisodeData:
+        """The slot's episode data; a running episode is aborted, a failed slot's is a value."""
+        slot = self._slots[index]
+        if slot.failure is not None or slot.harness is None:
+            return failed_episode(slot.failure or "the slot has no env")
+        if not slot.harness.done:
+            slot.harness.abort(abort_reason)
+        return slot.harness.get_episode_data()
 
     def _group_member(self) -> tuple[int, Task]:
         if self._open_group is None or self._open_group[2] == 0:

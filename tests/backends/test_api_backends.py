@@ -6,8 +6,6 @@ from __future__ import annotations
 import email.utils
 import time
 
-import anthropic
-import openai
 import pytest
 from fakes import (
     ChatAPIServer,
@@ -30,6 +28,9 @@ from agile_llmenvs.backends import (
 from agile_llmenvs.backends.anthropic_api import to_anthropic_messages
 from agile_llmenvs.backends.api import parse_retry_after
 from agile_llmenvs.errors import BackendError
+
+anthropic = pytest.importorskip("anthropic", reason="needs the `api` extra")
+openai = pytest.importorskip("openai", reason="needs the `api` extra")
 
 FAST_RETRY = APIConfig(retry=RetryPolicy(max_retries=3, initial_backoff_s=0.01, jitter=0.0))
 PARAMS = SamplingParams(max_tokens=8, temperature=0.5, top_p=0.9, stop=("###",), seed=4)

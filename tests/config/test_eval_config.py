@@ -101,6 +101,7 @@ def test_unreadable_configs_raise_manifest_error(tmp_path: Path) -> None:
 
 
 def test_reasoning_gym_environment_scores_with_the_dataset() -> None:
+    pytest.importorskip("reasoning_gym", reason="needs the `envs` extra")
     env = EnvironmentFactory.create(EnvironmentConfig(name="leg_counting", size=3, seed=42))
     assert (env.spec.name, env.spec.dataset_size, env.spec.max_turns) == ("leg_counting", 3, 1)
     state, _ = env.reset(options={"row_index": 0})
@@ -152,6 +153,7 @@ def test_backend_factory(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_the_reference_snippet_runs_on_the_example(tiny_model_dir: Path) -> None:
+    pytest.importorskip("reasoning_gym", reason="needs the `envs` extra")
     # The reference document's Python, on the example config shrunk to a few short tasks.
     config = EvalConfig.from_yaml(EXAMPLE)
     config.environments[0].size = 4

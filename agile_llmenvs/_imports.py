@@ -16,7 +16,7 @@ import yaml
 
 from agile_llmenvs.errors import EnvBuildError, ImportPathError
 
-__all__ = ["load_env_config", "load_object"]
+__all__ = ["load_env_config", "load_module_file", "load_object"]
 
 
 def load_object(target: str, *, file: str | None = None) -> Any:
@@ -31,7 +31,7 @@ def load_object(target: str, *, file: str | None = None) -> Any:
         ImportPathError: the module or the attribute does not exist.
     """
     if file is not None:
-        module = _module_from_file(Path(file))
+        module = load_module_file(Path(file))
         attr_path = target.split(":", 1)[-1]
     elif ":" in target:
         module_name, attr_path = target.split(":", 1)
@@ -62,7 +62,8 @@ def _import_module(name: str, target: str) -> ModuleType:
         ) from exc
 
 
-def _module_from_file(path: Path) -> ModuleType:
+def load_module_file(path: Path) -> ModuleType:
+    """Import the Python file at ``path`` as a module (once per resolved path)."""
     if not path.is_file():
         raise ImportPathError(f"path {str(path)!r} is not a Python file")
     digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]

@@ -25,7 +25,7 @@ class EnvironmentFactory:
             ImportPathError: ``entry_point`` does not resolve.
         """
         if config.source == "reasoning_gym":
-            from agile_llmenvs.config.reasoning_gym_env import reasoning_gym_factory
+            from agile_llmenvs.adapters.reasoning_gym import reasoning_gym_factory
 
             factory = reasoning_gym_factory(
                 config.name, size=config.size, seed=config.seed, **config.env_config

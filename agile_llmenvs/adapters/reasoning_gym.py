@@ -7,12 +7,14 @@ Row ``i`` of the dataset is task ``i``: ``reset(row_index=i)`` asks its question
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Callable
 from typing import Any
 
 from agile_llmenvs.errors import EnvBuildError, OptionalDependencyError
 
-__all__ = ["ReasoningGymEnv", "reasoning_gym_factory"]
+__all__ = ["ReasoningGymEnv", "make", "reasoning_gym_factory"]
 
 
 class ReasoningGymEnv:
@@ -60,6 +62,19 @@ def reasoning_gym_factory(
         OptionalDependencyError: ``reasoning-gym`` is not installed.
         EnvBuildError: reasoning-gym has no dataset ``name`` or refuses ``kwargs``.
     """
+    dataset = _dataset(name, size, seed, json.dumps(kwargs, sort_keys=True))
+    return lambda: ReasoningGymEnv(dataset)
+
+
+def make(name: str, *, size: int = 1000, seed: int = 0, **kwargs: Any) -> ReasoningGymEnv:
+    """One env over reasoning-gym dataset ``name`` (``factory:
+    agile_llmenvs.adapters.reasoning_gym:make`` with the name as the entrypoint). The dataset
+    is generated once per ``(name, size, seed, kwargs)`` and shared by every env."""
+    return reasoning_gym_factory(name, size=size, seed=seed, **kwargs)()
+
+
+@functools.lru_cache(maxsize=32)
+def _dataset(name: str, size: int, seed: int, kwargs_json: str) -> Any:
     try:
         import reasoning_gym
     except ImportError as exc:
@@ -67,7 +82,6 @@ def reasoning_gym_factory(
             "reasoning-gym", extra="envs", feature=f"the reasoning-gym env {name!r}"
         ) from exc
     try:
-        dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **kwargs)
+        return reasoning_gym.create_dataset(name, size=size, seed=seed, **json.loads(kwargs_json))
     except Exception as exc:  # unknown names raise ValueError, bad kwargs TypeError
         raise EnvBuildError(f"reasoning-gym could not build dataset {name!r}: {exc}") from exc
-    return lambda: ReasoningGymEnv(dataset)

@@ -16,8 +16,9 @@ if TYPE_CHECKING:
     from agile_llmenvs.envs.bandit import BanditEnv, BanditEnvProtocol, make_bandit_env
     from agile_llmenvs.envs.dispatch import make_env
     from agile_llmenvs.envs.gym import make_gym_env, make_pz_env, make_single_env
-    from agile_llmenvs.envs.llm import make_llm_env, make_rollout_env_factory
+    from agile_llmenvs.envs.llm import make_llm_env
     from agile_llmenvs.envs.offline import OfflineEnv, make_offline_env
+    from agile_llmenvs.envs.rollout import make_rollout_env_factory
 
 _EXPORTS = {
     "BanditEnv": "bandit",
@@ -29,7 +30,7 @@ _EXPORTS = {
     "make_llm_env": "llm",
     "make_offline_env": "offline",
     "make_pz_env": "gym",
-    "make_rollout_env_factory": "llm",
+    "make_rollout_env_factory": "rollout",
     "make_single_env": "gym",
 }
 

@@ -1,0 +1,152 @@
+"""make_rollout_env_factory: a rollout spec -> a factory of fresh RolloutHarness instances."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from agile_llmenvs.errors import EnvBuildError
+from agile_llmenvs.llm_envs.from_spec import spec_settings
+from agile_llmenvs.llm_envs.harness import RolloutHarness
+from agile_llmenvs.llm_envs.rubric import RubricEnv, load_rubric
+from agile_llmenvs.specs import LLMEnvSpec
+from agile_llmenvs.specs.llm import HOSTING_FIELDS
+from agile_llmenvs.transport.client import InProcessEnvClient
+from agile_llmenvs.transport.remote import RemoteEnvClient
+from agile_llmenvs.transport.resolve import ensure_env_packages, env_factory
+
+__all__ = ["make_rollout_env_factory"]
+
+HarnessFactory = Callable[[], RolloutHarness]
+
+
+def make_rollout_env_factory(
+    spec: LLMEnvSpec,
+    tokenizer: Any,
+    *,
+    max_model_len: int | None = None,
+    max_output_tokens: int | None = None,
+    seed: int | None = None,
+    allow_install: bool = False,
+) -> tuple[HarnessFactory, int]:
+    """Build a factory that creates fresh :class:`RolloutHarness` instances.
+
+    Each call builds an independent env, so concurrent trajectories never share state. The
+    builder is picked by the one source the spec names: dataset rows + a rubric (a
+    single-turn env), an ``env_url`` (a list spreads sessions across the URLs, round-robin),
+    or an ``entrypoint`` (built in this process, with its ``factory``, ``env_config`` and
+    ``env_packages``). The turn budget rides along: an entrypoint env that does not declare
+    ``max_turns`` in the manifest is probed for one.
+
+    Args:
+        spec: The env spec, with ``env_type: rollout``.
+        tokenizer: The tokenizer, shared by all instances.
+        max_model_len: The model's context length.
+        max_output_tokens: Tokens generated per turn; prompts are kept to
+            ``max_model_len - max_output_tokens`` so the next generation always fits.
+        seed: Seed of a dataset-backed env's train/test split.
+        allow_install: Install missing ``env_packages`` on this first build.
+
+    Returns:
+        A zero-argument callable that creates a harness, and the rollout's turn budget.
+
+    Raises:
+        EnvBuildError: the spec is not a rollout spec, names an ``env_image`` (that needs an
+            orchestrator placing Pods), uses the hosting fields (Ray env hosts), or its
+            source cannot be built (missing rubric function, unreadable rows, ...).
+    """
+    if spec.env_type != "rollout":
+        raise EnvBuildError(f"{spec.label!r} is a dataset env: build it with make_llm_env")
+    settings = spec_settings(spec)
+    settings.pop("max_turns", None)
+    if max_model_len is not None:
+        settings["max_model_len"] = max(1, max_model_len - (max_output_tokens or 0))
+    if spec.source == "dataset":
+        return _dataset_factory(spec, tokenizer, settings, seed), 1
+    if spec.source == "env_url":
+        return _url_factory(spec, tokenizer, settings)
+    if spec.source == "entrypoint":
+        return _entrypoint_factory(spec, tokenizer, settings, allow_install)
+    raise EnvBuildError(
+        f"env_image {spec.env_image!r} runs as its own Pod, placed by an orchestrator (the Ray "
+        "runtime); this process cannot start it. Serve the env yourself and set env_url."
+    )
+
+
+def _dataset_factory(
+    spec: LLMEnvSpec, tokenizer: Any, settings: dict[str, Any], seed: int | None
+) -> HarnessFactory:
+    from agile_llmenvs.llm_envs.rows import load_rows
+
+    assert spec.rubric_file_path is not None  # the spec guarantees a rubric with rows
+    rubric = load_rubric(spec.rubric_file_path, spec.rubric_name)
+    train, _ = load_rows(spec, seed)
+    rows = train.to_list()
+    RubricEnv(rows, rubric, prompt_template=spec.prompt_template)  # fail here, not per slot
+
+    def factory() -> RolloutHarness:
+        env = RubricEnv(
+            rows, rubric, prompt_template=spec.prompt_template, max_reward=spec.max_reward
+        )
+        return RolloutHarness(InProcessEnvClient(env), tokenizer, 1, **settings)
+
+    return factory
+
+
+def _url_factory(
+    spec: LLMEnvSpec, tokenizer: Any, settings: dict[str, Any]
+) -> tuple[HarnessFactory, int]:
+    urls = itertools.cycle(spec.env_urls)
+    lock = threading.Lock()
+    timeout = settings.get("timeout_s")
+
+    def next_url() -> str:
+        with lock:
+            return next(urls)
+
+    max_turns = spec.max_turns or _probe_remote(spec.env_urls[0], timeout) or 1
+
+    def factory() -> RolloutHarness:
+        client = RemoteEnvClient(
+            next_url(), timeout_s=timeout, action_field=settings.get("action_field", "message")
+        )
+        return RolloutHarness(client, tokenizer, max_turns, **settings)
+
+    return factory, max_turns
+
+
+def _entrypoint_factory(
+    spec: LLMEnvSpec, tokenizer: Any, settings: dict[str, Any], allow_install: bool
+) -> tuple[HarnessFactory, int]:
+    hosted = [f for f in HOSTING_FIELDS if f in spec.model_fields_set and getattr(spec, f)]
+    if hosted:
+        raise EnvBuildError(
+            f"{hosted[0]}: env hosts run on the Ray runtime, which this "
+            "version does not start yet; drop the hosting fields to run the "
+            "env in this process, or serve it and set env_url"
+        )
+    assert spec.entrypoint is not None
+    ensure_env_packages(spec.env_packages, allow_install=allow_install)
+    make_env = env_factory(spec.entrypoint, spec.env_config, factory=spec.factory)
+    max_turns = spec.max_turns
+    if max_turns is None:  # the env may declare its own budget
+        probe = make_env()
+        max_turns = int(getattr(probe, "max_turns", None) or 1)
+        probe.close()
+    action_field = settings.get("action_field", "message")
+
+    def factory() -> RolloutHarness:
+        client = InProcessEnvClient(make_env(), action_field=action_field)
+        return RolloutHarness(client, tokenizer, max_turns, **settings)
+
+    return factory, max_turns
+
+
+def _probe_remote(url: str, timeout_s: float | None) -> int | None:
+    """The turn budget a served env declares in its state (None when it declares none)."""
+    with RemoteEnvClient(url, timeout_s=timeout_s) as client:
+        client.reset()
+        value = client.state().get("max_turns")
+    return int(value) if value else None

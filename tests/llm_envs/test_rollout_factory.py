@@ -148,3 +148,27 @@ def test_rubric_errors_at_build_time_and_run_time(tmp_path: Path) -> None:
             load_rubric(raising),
             prompt_template={"user": "About {topic}: {question}"},
         )
+
+
+def test_a_gymnasium_env_played_in_text(tokenizer: Any) -> None:
+    spec = LLMEnvSpec(
+        env_type="rollout",
+        entrypoint="CartPole-v1",
+        factory="agile_llmenvs.adapters.gymnasium:make",
+        env_config={"action_names": ["left", "right"]},
+        action_error_field="invalid_action",
+    )
+    factory, max_turns = make_rollout_env_factory(spec, tokenizer)
+    assert max_turns == 500  # CartPole's own step limit
+    harness = factory()
+    prompt = tokenizer.decode(harness.reset(seed=0))
+    assert "Actions: 0 (left), 1 (right). Reply with one action number." in prompt
+    assert harness.step(answer(tokenizer, "1")).reward == 1.0
+    invalid = harness.step(answer(tokenizer, "jump"))
+    assert (invalid.reward, invalid.done) == (0.0, False)
+    assert invalid.info["action_error"] == "no action in 0..1 found in the reply"
+    while not harness.step(answer(tokenizer, "0")).done:
+        pass
+    data = harness.get_episode_data()
+    assert data.stop_reason is StopReason.TERMINATED  # pushing left only: the pole falls
+    assert data.rewards[1] == 0.0

@@ -2,19 +2,79 @@
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from agile_llmenvs.errors import AgileLLMEnvsError
+from agile_llmenvs.errors import AgileLLMEnvsError, EnvBuildError
 from agile_llmenvs.specs import LLMEnvSpec
+
+if TYPE_CHECKING:
+    from agile_llmenvs.llm_envs.dataset_env import DatasetEnv
 
 __all__ = ["make_llm_env", "make_rollout_env_factory"]
 
+_DEFAULT_SEED = 42  # DatasetEnv's own default
 
-def make_llm_env(spec: LLMEnvSpec, tokenizer: Any, **kwargs: Any) -> Any:
-    """Build the teacher-forced ``DatasetEnv`` of a dataset spec (not available yet)."""
-    raise NotImplementedError(
-        f"make_llm_env({spec.label!r}): dataset envs are not built by this version yet"
+
+def make_llm_env(
+    spec: LLMEnvSpec,
+    tokenizer: Any,
+    *,
+    data_batch_size_per_gpu: int = 8,
+    max_context_length: int | None = None,
+    seed: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> DatasetEnv:
+    """Build the teacher-forced dataset environment of an LLM spec.
+
+    Rollout envs are built per trajectory instead: use :func:`make_rollout_env_factory`.
+
+    Args:
+        spec: The env spec, with ``env_type="dataset"``.
+        tokenizer: The tokenizer; ``spec.chat_template_path`` replaces its chat template for
+            this env (the tokenizer itself is left as it is).
+        data_batch_size_per_gpu: Rows each rank draws per step.
+        max_context_length: Token budget a row is truncated to.
+        seed: Seed of the train/test split and of the env's row order (None: 42).
+        rank: This process's data-parallel rank.
+        world_size: Number of data-parallel ranks.
+
+    Raises:
+        AgileLLMEnvsError: ``spec`` is a rollout spec.
+        DatasetError: The rows cannot be read or lack a column the objective needs.
+        EnvBuildError: ``chat_template_path`` cannot be read.
+    """
+    from agile_llmenvs.llm_envs.dataset_env import DatasetEnv
+    from agile_llmenvs.llm_envs.rows import load_rows
+
+    if spec.env_type != "dataset" or spec.objective is None:
+        raise rollout_env_error(spec)
+    seed = _DEFAULT_SEED if seed is None else seed
+    train, test = load_rows(spec, seed)
+    template_kwargs = dict(spec.chat_template_kwargs)
+    if spec.chat_template_path is not None:
+        template_kwargs["chat_template"] = _read_chat_template(spec.chat_template_path)
+    return DatasetEnv(
+        train,
+        test,
+        tokenizer,
+        objective=spec.objective,
+        response_column=spec.response_column or "response",
+        chat_template_kwargs=template_kwargs,
+        data_batch_size_per_gpu=data_batch_size_per_gpu,
+        max_context_length=max_context_length,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
     )
+
+
+def _read_chat_template(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise EnvBuildError(f"chat_template_path: cannot read {path!r}: {exc}") from exc
 
 
 def make_rollout_env_factory(spec: LLMEnvSpec, tokenizer: Any, **kwargs: Any) -> Any:

@@ -82,7 +82,7 @@ def _dataset_factory(
 
     assert spec.rubric_file_path is not None  # the spec guarantees a rubric with rows
     rubric = load_rubric(spec.rubric_file_path, spec.rubric_name)
-    train, _ = load_rows(spec, seed)
+    train, _ = load_rows(spec, seed or 0)
     rows = train.to_list()
     RubricEnv(rows, rubric, prompt_template=spec.prompt_template)  # fail here, not per slot
 

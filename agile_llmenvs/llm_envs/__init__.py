@@ -10,6 +10,7 @@ from agile_llmenvs.llm_envs.contract import (
     SupportsTools,
     TextEnv,
 )
+from agile_llmenvs.llm_envs.dataset_env import DatasetEnv, PreferenceBatch, SFTBatch
 from agile_llmenvs.llm_envs.episode import EpisodeData, StopReason, TokenSample, TurnResult
 from agile_llmenvs.llm_envs.framing import ChatTemplateError, apply_chat_template
 from agile_llmenvs.llm_envs.harness import HarnessConfig, RolloutHarness
@@ -28,6 +29,7 @@ from agile_llmenvs.transport.resolve import resolve_env, spec_to_factory
 
 __all__ = [
     "ChatTemplateError",
+    "DatasetEnv",
     "EnvReply",
     "EpisodeData",
     "EpisodeHandle",
@@ -35,10 +37,12 @@ __all__ = [
     "InProcessEnvClient",
     "OpenEnvServer",
     "OpenEnvWrapper",
+    "PreferenceBatch",
     "RemoteEnvClient",
     "RolloutBatch",
     "RolloutCollector",
     "RolloutHarness",
+    "SFTBatch",
     "StopReason",
     "SupportsDatasetSize",
     "SupportsMaxTurns",

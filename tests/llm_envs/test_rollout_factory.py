@@ -172,3 +172,63 @@ def test_a_gymnasium_env_played_in_text(tokenizer: Any) -> None:
     data = harness.get_episode_data()
     assert data.stop_reason is StopReason.TERMINATED  # pushing left only: the pole falls
     assert data.rewards[1] == 0.0
+
+
+def test_dataset_rows_and_a_rubric_from_the_shipped_manifest(tokenizer: Any) -> None:
+    spec = load_manifest(MANIFESTS / "rollout_digits.yaml").env
+    assert isinstance(spec, LLMEnvSpec)
+    factory, max_turns = make_rollout_env_factory(spec, tokenizer, seed=0)
+    assert max_turns == 1
+    harness = factory()
+    assert harness.dataset_size() == 10
+    for row, reply, reward in ((3, "3", 1.0), (5, "4", 0.0), (7, " 7 ", 1.0)):
+        prompt = tokenizer.decode(harness.reset(row_index=row))
+        assert f"Say the digit {row}." in prompt
+        result = harness.step(answer(tokenizer, reply))
+        assert (result.reward, result.done) == (reward, True)
+        assert result.info["answer"] == str(row)
+
+
+def test_the_huggingface_adapter_scores_local_rows(tokenizer: Any, tmp_path: Path) -> None:
+    rows = tmp_path / "capitals.csv"
+    rows.write_text("country,capital\nFrance,Paris\nPeru,Lima\n")
+    rubric = tmp_path / "rubric.py"
+    rubric.write_text(
+        "def exact(completion, answer, **row):\n"
+        "    return 2.0 if completion.strip() == answer else 0.0\n"
+    )
+    spec = LLMEnvSpec(
+        env_type="rollout",
+        entrypoint=str(rows),
+        factory="agile_llmenvs.adapters.huggingface:make",
+        env_config={
+            "rubric_file_path": str(rubric),
+            "columns": {"answer": "capital"},
+            "prompt_template": {"user": "Capital of {country}?"},
+            "max_reward": 2.0,
+        },
+    )
+    factory, _ = make_rollout_env_factory(spec, tokenizer)
+    harness = factory()
+    assert "Capital of Peru?" in tokenizer.decode(harness.reset(row_index=1))
+    assert harness.step(answer(tokenizer, "Lima")).reward == 1.0
+
+
+def test_rows_that_do_not_parse_fail_at_build_time(tokenizer: Any, tmp_path: Path) -> None:
+    from agile_llmenvs.llm_envs.rows import DatasetError
+
+    broken = tmp_path / "rows.jsonl"
+    broken.write_text('{"question": "q", "answer": \n')
+    spec = LLMEnvSpec(
+        env_type="rollout",
+        dataset_path=str(broken),
+        rubric_file_path=str(MANIFESTS / "rubrics" / "digits.py"),
+        rubric_name="exact_digit",
+    )
+    with pytest.raises(DatasetError, match=r"rows\.jsonl"):
+        make_rollout_env_factory(spec, tokenizer)
+    no_answer = tmp_path / "no_answer.jsonl"
+    no_answer.write_text('{"question": "q", "label": "a"}\n')
+    spec = spec.model_copy(update={"dataset_path": str(no_answer)})
+    with pytest.raises(EnvBuildError, match="the rows have no 'answer' column"):
+        make_rollout_env_factory(spec, tokenizer)

@@ -41,3 +41,30 @@ def test_one_example_per_env_type() -> None:
         "rollout:entrypoint",
         "rollout:env_url",
     } <= kinds
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "rollout_entrypoint.yaml",
+        "grpo_gem_guess.yaml",
+        "grpo_reasoning_gym.yaml",
+        "rollout_digits.yaml",
+    ],
+)
+def test_rollout_manifests_build_and_reset(name: str, tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from agile_llmenvs.envs import make_rollout_env_factory
+
+    manifest = load_manifest(MANIFESTS[0].parent / name)
+    spec = manifest.env
+    assert isinstance(spec, LLMEnvSpec)
+    for requirement in (spec.env_packages or {}).get("pip", []):
+        pytest.importorskip({"gem-llm": "gem", "reasoning-gym": "reasoning_gym"}[requirement])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    factory, max_turns = make_rollout_env_factory(spec, tokenizer, seed=manifest.seed)
+    assert max_turns >= 1
+    harness = factory()
+    assert harness.reset(seed=0, row_index=0 if harness.dataset_size() else None)
+    harness.close()

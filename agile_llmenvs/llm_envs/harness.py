@@ -217,6 +217,8 @@ class RolloutHarness:
         into the env's reset kwargs. When the prompt alone is over ``max_model_len`` the
         episode is already over (``done``, ``StopReason.PROMPT_LIMIT``).
         """
+        if task.get("row_index", 0) is None:
+            del task["row_index"]
         rows = self.config.eval_tasks if self.eval and self.config.eval_tasks else self.config.tasks
         if rows is not None and task.get("row_index") is not None:
             index = int(task["row_index"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -60,7 +61,7 @@ class OpenEnvWrapper(Environment):
         self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any
     ) -> TextObservation:
         """Start an episode of the inner env; reset kwargs are the task (e.g. ``row_index``)."""
-        prompt, info = self.inner.reset(seed=seed, **kwargs)
+        prompt, info = self.inner.reset(seed=seed, **_accepted(self.inner.reset, kwargs))
         self._state = TextState(episode_id=episode_id, step_count=0)
         return TextObservation.model_construct(prompt=str(prompt), metadata=jsonable(info or {}))
 
@@ -111,4 +112,17 @@ class OpenEnvWrapper(Environment):
         """Close the inner env if this wrapper owns it; idempotent."""
         if self.owns_inner and not self._closed:
             self._closed = True
-            self.inner.close()
+            close = getattr(self.inner, "close", None)  # some registries' envs have none
+            if callable(close):
+                close()
+
+
+def _accepted(method: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The kwargs ``method`` can take: OpenEnv drops unknown reset kwargs, and so do we (a
+    collector's ``row_index`` reaching a procedural env that takes only ``seed``)."""
+    if not kwargs:
+        return kwargs
+    params = inspect.signature(method).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}

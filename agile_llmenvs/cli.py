@@ -116,6 +116,9 @@ def _parser() -> argparse.ArgumentParser:
     from agile_llmenvs.evaluation.command import register as register_eval
 
     register_eval(commands)
+    from agile_llmenvs.training.command import register as register_train
+
+    register_train(commands)
     return parser
 
 

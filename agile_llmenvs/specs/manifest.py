@@ -82,6 +82,28 @@ class TrainingSpec(BaseModel):
     output_dir: str = Field(
         "runs/latest", min_length=1, description="Where metrics, plots and checkpoints go."
     )
+    temperature: float = Field(
+        1.0, gt=0.0, le=10.0, description="Sampling temperature of GRPO rollouts."
+    )
+    clip_eps: float = Field(
+        0.2, gt=0.0, le=1.0, description="GRPO: the importance ratio is clipped to 1 +- clip_eps."
+    )
+    beta: float | None = Field(
+        None,
+        ge=0.0,
+        le=100.0,
+        description="GRPO: KL coefficient to a frozen reference (unset: 0, no reference "
+        "model loaded). DPO: the preference temperature (unset: 0.1).",
+    )
+    scale_advantages: bool = Field(
+        True, description="GRPO: divide group-relative advantages by the group's std."
+    )
+    dynamic_sampling: bool = Field(
+        False, description="GRPO: drop groups with equal rewards and refill from new tasks."
+    )
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient norm clip.")
+    save_every: int = Field(0, ge=0, description="Steps between checkpoints (0: only at the end).")
+    log_every: int = Field(1, ge=1, description="Steps between progress-bar updates.")
 
 
 class RunManifest(BaseModel):

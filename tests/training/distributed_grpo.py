@@ -1,0 +1,54 @@
+"""Run under ``accelerate launch``: one GRPO step, then each rank writes what it drew and saw.
+
+Usage: ``distributed_grpo.py MANIFEST OUTPUT_DIR``; rank ``r`` writes ``OUTPUT_DIR/rank{r}.json``
+with the dataset rows of its groups and its parameters after the step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from agile_llmenvs.llm_envs.collector import RolloutCollector
+from agile_llmenvs.specs import load_manifest
+from agile_llmenvs.training import grpo, train_grpo
+
+rows: list[int | None] = []
+collect = RolloutCollector.collect
+
+
+def _recording_collect(self: RolloutCollector, *args: Any, **kwargs: Any) -> Any:
+    batch = collect(self, *args, **kwargs)
+    rows.extend(t.task.row_index for t in batch.trajectories[:: batch.group_size])
+    return batch
+
+
+def _recording_save(output_dir: Path, step: int, run: Any) -> Path:
+    policy = run.accelerator.unwrap_model(run.model)
+    params = [p.detach().flatten()[:8].tolist() for p in policy.parameters()]
+    rank = run.accelerator.process_index
+    record = {
+        "world_size": run.accelerator.num_processes,
+        "rows": rows,
+        "params": params,
+        "grad_steps": step,
+    }
+    (output_dir / f"rank{rank}.json").write_text(json.dumps(record))
+    return output_dir
+
+
+if __name__ == "__main__":
+    RolloutCollector.collect = _recording_collect  # type: ignore[method-assign]
+    grpo._save = _recording_save  # type: ignore[assignment]
+    manifest = load_manifest(sys.argv[1])
+    assert manifest.training is not None
+    training = manifest.training.model_copy(
+        update={"max_steps": 2, "batch_size": 4, "group_size": 4, "output_dir": sys.argv[2]}
+    )
+    Path(sys.argv[2]).mkdir(parents=True, exist_ok=True)
+    # a dense reward, so each rank's gradient is its own and only the all-reduce syncs them
+    rubric = str(Path(__file__).resolve().parent / "rubrics.py")
+    env = manifest.env.model_copy(update={"rubric_file_path": rubric, "rubric_name": "digit_share"})
+    train_grpo(manifest.model_copy(update={"training": training, "env": env}))

@@ -116,7 +116,14 @@ class ChatFramer:
         if not self.use_template:
             return self.encode("\n\n".join(str(m["content"]) for m in messages))
         if self._has_template:
-            return apply_chat_template(self.tokenizer, messages, **self.kwargs)
+            pieces = self._prompt_pieces(tuple(str(m["role"]) for m in messages))
+            if pieces is None:
+                return apply_chat_template(self.tokenizer, messages, **self.kwargs)
+            ids = list(pieces[0])
+            for message, piece in zip(messages, pieces[1:], strict=True):
+                ids += self.encode(str(message["content"]))
+                ids += piece
+            return ids
         self._fallback("it has no chat template")
         text = "".join(
             _CHATML[1].format(role=m["role"]) + str(m["content"]) + _CHATML[0] for m in messages
@@ -152,6 +159,44 @@ class ChatFramer:
         ]
 
     # -- slicing -----------------------------------------------------------------------------
+
+    def _prompt_pieces(self, roles: tuple[str, ...]) -> tuple[tuple[int, ...], ...] | None:
+        """The template ids around each message of a prompt with these roles (cached).
+
+        Rendering the template costs ~10x tokenizing the observation; a first prompt is
+        assembled from cached pieces instead, when slicing reproduces the template's ids
+        exactly (checked once, on sample text); otherwise None: render it.
+        """
+        key = f"prompt:{'/'.join(roles)}"
+        if key not in self._cache:
+            self._cache[key] = self._slice_prompt(roles)
+        pieces: tuple[tuple[int, ...], ...] | None = self._cache[key]
+        return pieces
+
+    def _slice_prompt(self, roles: tuple[str, ...]) -> tuple[tuple[int, ...], ...] | None:
+        if len(roles) > 3 or not self.prefix_stable:
+            return None
+        marks = [f"\u27e6P{i}\u27e7" for i in range(len(roles))]
+        try:
+            text = self._render(
+                [{"role": r, "content": m} for r, m in zip(roles, marks, strict=True)], True
+            )
+        except Exception:
+            return None
+        if any(text.count(mark) != 1 for mark in marks):
+            return None
+        pieces, rest = [], text
+        for mark in marks:
+            head, rest = rest.split(mark)
+            pieces.append(tuple(self.encode(head)))
+        pieces.append(tuple(self.encode(rest)))
+        sample = [{"role": r, "content": f"Sample {r} text: 12 words, (x)."} for r in roles]
+        assembled = list(pieces[0])
+        for message, piece in zip(sample, pieces[1:], strict=True):
+            assembled += self.encode(message["content"]) + list(piece)
+        if assembled != apply_chat_template(self.tokenizer, sample, **self.kwargs):
+            return None
+        return tuple(pieces)
 
     def _render(self, messages: Sequence[Message], generation: bool) -> str:
         text = apply_chat_template(

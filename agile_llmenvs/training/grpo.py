@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,17 +99,20 @@ def build_policy_batch(rollout: RolloutBatch, advantages: torch.Tensor, pad_id: 
         for sample in trajectory.episode.samples
     ]
     width = max((len(sample.token_ids) for sample, _ in rows), default=2)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    action_mask = torch.zeros((len(rows), width - 1), dtype=torch.bool)
-    sampling_logps = torch.zeros((len(rows), width - 1))
-    for row, (sample, _) in enumerate(rows):
-        length = len(sample.token_ids)
-        input_ids[row, :length] = torch.tensor(sample.token_ids)
-        attention_mask[row, :length] = 1
-        action_mask[row, : length - 1] = torch.tensor(sample.action_mask, dtype=torch.bool)
-        logps = torch.tensor(sample.aligned_logps())
-        sampling_logps[row, : length - 1] = torch.nan_to_num(logps, nan=0.0)
+    # one tensor per field, from padded lists: a tensor per row costs ~45 µs each
+    ids, attention, actions, logps = [], [], [], []
+    for sample, _ in rows:
+        pad = width - len(sample.token_ids)
+        ids.append([*sample.token_ids, *[pad_id] * pad])
+        attention.append([1] * len(sample.token_ids) + [0] * pad)
+        actions.append([*sample.action_mask, *[False] * pad])
+        aligned = [0.0 if math.isnan(x) else x for x in sample.aligned_logps()]
+        logps.append(aligned + [0.0] * pad)
+    shape = (len(rows), width)
+    input_ids = torch.tensor(ids, dtype=torch.long).reshape(shape)
+    attention_mask = torch.tensor(attention, dtype=torch.long).reshape(shape)
+    action_mask = torch.tensor(actions, dtype=torch.bool).reshape(len(rows), width - 1)
+    sampling_logps = torch.tensor(logps, dtype=torch.float32).reshape(len(rows), width - 1)
     advantages_B = torch.tensor([advantage for _, advantage in rows], dtype=torch.float32)
     return PolicyBatch(input_ids, attention_mask, action_mask, sampling_logps, advantages_B)
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from agile_llmenvs.errors import AgileLLMEnvsError, EnvProtocolError, EnvStateError
 from agile_llmenvs.transport._openenv import CallToolAction, Environment
 from agile_llmenvs.transport.protocol import code_for_exception, error_from_wire, observation_frame
-from agile_llmenvs.transport.types import EnvReply, TextAction
+from agile_llmenvs.transport.types import EnvReply, TextAction, TextObservation
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
 
 if TYPE_CHECKING:
@@ -135,4 +135,15 @@ class InProcessEnvClient:
 
 
 def _reply(observation: Any) -> EnvReply:
+    """The reply a remote client would parse from this observation's frame."""
+    if type(observation) is TextObservation:  # its fields are JSON values already: no round trip
+        o: Any = observation
+        fields = {
+            "prompt": o.prompt,
+            "truncated": o.truncated,
+            "question": o.question,
+            "answer": o.answer,
+        }
+        reward = None if o.reward is None else float(o.reward)
+        return EnvReply(fields, reward, bool(o.done), dict(o.metadata))
     return EnvReply.from_wire(json.loads(observation_frame(observation))["data"])

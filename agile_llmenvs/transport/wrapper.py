@@ -122,7 +122,17 @@ def _accepted(method: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     collector's ``row_index`` reaching a procedural env that takes only ``seed``)."""
     if not kwargs:
         return kwargs
-    params = inspect.signature(method).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    names = _RESET_NAMES.get(method.__func__) if hasattr(method, "__func__") else None
+    if names is None:
+        params = inspect.signature(method).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        names = None if takes_any else frozenset(params)
+        if hasattr(method, "__func__"):
+            _RESET_NAMES[method.__func__] = names if names is not None else _ANY
+    if names is None or names is _ANY:
         return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+_ANY: frozenset[str] = frozenset({"**"})
+_RESET_NAMES: dict[Any, frozenset[str]] = {}  # per reset function: the kwargs it takes

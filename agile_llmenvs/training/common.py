@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import logging
 import random
@@ -81,6 +82,30 @@ def load_policy(spec: ModelSpec) -> tuple[Any, Any]:
     tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path or path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, spec.dtype))
     return model, tokenizer
+
+
+def prepare_policy(manifest: RunManifest, config: TrainingSpec) -> tuple[Any, Any, Any, Any]:
+    """Seed, load the policy and its tokenizer, and prepare it with AdamW on ``accelerate``.
+
+    Returns:
+        ``(accelerator, model, optimizer, tokenizer)``; ``accelerator.unwrap_model(model)``
+        is the plain model (for generation, or a frozen reference copy).
+    """
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    seed_everything(manifest.seed)
+    model, tokenizer = load_policy(manifest.model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return accelerator, model, optimizer, tokenizer
+
+
+def frozen_copy(model: Any, device: Any) -> Any:
+    """A copy of ``model`` on ``device`` in eval mode with no gradients: a fixed reference."""
+    reference = copy.deepcopy(model).to(device).eval()
+    reference.requires_grad_(False)
+    return reference
 
 
 def seed_everything(seed: int) -> None:

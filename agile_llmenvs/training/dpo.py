@@ -3,13 +3,12 @@ copy of the starting model."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 
 from agile_llmenvs.specs import RunManifest
-from agile_llmenvs.training.common import TrainResult, training_spec
+from agile_llmenvs.training.common import TrainResult, frozen_copy, training_spec
 from agile_llmenvs.training.losses import dpo_loss, sequence_logps
 from agile_llmenvs.training.supervised import LossFn, train_on_dataset
 
@@ -34,8 +33,7 @@ def train_dpo(manifest: RunManifest, *, resume: bool = False) -> TrainResult:
     beta = DEFAULT_DPO_BETA if beta is None else beta
 
     def make_loss(model: Any, accelerator: Any) -> LossFn:
-        reference = copy.deepcopy(model).to(accelerator.device).eval().requires_grad_(False)
-        return _DPOLoss(reference, beta)
+        return _DPOLoss(frozen_copy(model, accelerator.device), beta)
 
     return train_on_dataset(
         manifest, resume=resume, name="dpo", metric_keys=DPO_METRICS, make_loss=make_loss

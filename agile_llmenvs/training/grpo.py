@@ -27,11 +27,11 @@ from agile_llmenvs.specs import LLMEnvSpec, RunManifest, TrainingSpec
 from agile_llmenvs.training.common import (
     MetricsWriter,
     TrainResult,
+    frozen_copy,
     load_checkpoint,
-    load_policy,
     plot_metrics,
+    prepare_policy,
     save_checkpoint,
-    seed_everything,
     training_spec,
 )
 from agile_llmenvs.training.losses import (
@@ -243,20 +243,14 @@ def _step_row(
 
 def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
     """Load the policy (and a reference when ``beta > 0``), the optimizer and the collector."""
-    from accelerate import Accelerator
-
     from agile_llmenvs.envs import make_rollout_env_factory
 
     config = training_spec(manifest)
     env_spec = manifest.env
     assert isinstance(env_spec, LLMEnvSpec)  # the manifest validator pairs grpo with rollout
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    seed_everything(manifest.seed)
-    model, tokenizer = load_policy(manifest.model)
-    reference = _frozen_copy(model, accelerator.device) if config.beta else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator, model, optimizer, tokenizer = prepare_policy(manifest, config)
     policy = accelerator.unwrap_model(model)
+    reference = frozen_copy(policy, accelerator.device) if config.beta else None
     env_factory, _ = make_rollout_env_factory(
         env_spec,
         tokenizer,
@@ -334,14 +328,6 @@ def _save(output_dir: Path, step: int, run: _Run) -> Path:
         tokenizer=run.tokenizer,
         rank_state={"collector": run.collector.state_dict()},
     )
-
-
-def _frozen_copy(model: Any, device: torch.device) -> Any:
-    import copy
-
-    reference = copy.deepcopy(model).to(device).eval()
-    reference.requires_grad_(False)
-    return reference
 
 
 def _reduce(accelerator: Any, values: dict[str, float], reduction: str) -> dict[str, float]:

@@ -14,10 +14,9 @@ from agile_llmenvs.training.common import (
     MetricsWriter,
     TrainResult,
     load_checkpoint,
-    load_policy,
     plot_metrics,
+    prepare_policy,
     save_checkpoint,
-    seed_everything,
     training_spec,
 )
 
@@ -45,7 +44,6 @@ def train_on_dataset(
             ``step_time_s`` and whatever the loss function reports.
         make_loss: Called with the loaded model and the accelerator; returns the loss function.
     """
-    from accelerate import Accelerator
     from tqdm import tqdm
 
     from agile_llmenvs.envs import make_llm_env
@@ -53,12 +51,8 @@ def train_on_dataset(
     config = training_spec(manifest)
     assert isinstance(manifest.env, LLMEnvSpec)  # the manifest validator pairs sft/dpo with it
     output_dir = Path(config.output_dir)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    seed_everything(manifest.seed)
-    model, tokenizer = load_policy(manifest.model)
-    loss_fn = make_loss(model, accelerator)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator, model, optimizer, tokenizer = prepare_policy(manifest, config)
+    loss_fn = make_loss(accelerator.unwrap_model(model), accelerator)
     env = make_llm_env(
         manifest.env,
         tokenizer,

@@ -1,4 +1,4 @@
-"""LLM env builders: their place in the public API, filled by the dataset and rollout work."""
+"""make_llm_env: a dataset spec -> the teacher-forced DatasetEnv (SFT and DPO batches)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from agile_llmenvs.specs import LLMEnvSpec
 if TYPE_CHECKING:
     from agile_llmenvs.llm_envs.dataset_env import DatasetEnv
 
-__all__ = ["make_llm_env", "make_rollout_env_factory"]
+__all__ = ["make_llm_env", "rollout_env_error"]
 
 _DEFAULT_SEED = 42  # DatasetEnv's own default
 
@@ -75,13 +75,6 @@ def _read_chat_template(path: str) -> str:
         return Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise EnvBuildError(f"chat_template_path: cannot read {path!r}: {exc}") from exc
-
-
-def make_rollout_env_factory(spec: LLMEnvSpec, tokenizer: Any, **kwargs: Any) -> Any:
-    """Build the ``RolloutHarness`` factory of a rollout spec (not available yet)."""
-    raise NotImplementedError(
-        f"make_rollout_env_factory({spec.label!r}): rollout envs are not built by this version yet"
-    )
 
 
 def rollout_env_error(spec: LLMEnvSpec) -> AgileLLMEnvsError:

@@ -1,7 +1,8 @@
 """Turn specs into live environments.
 
 :func:`make_env` dispatches on the spec: gymnasium vector envs, vectorised PettingZoo parallel
-envs, contextual bandits over tables, offline datasets, and (in later versions) LLM envs.
+envs, contextual bandits over tables, offline datasets and LLM dataset envs; rollout envs get
+a factory of harnesses from :func:`make_rollout_env_factory`.
 
 Names are imported on first use, so a subprocess worker that needs one builder (a PettingZoo
 worker, say) does not pay for pandas and the rest.

@@ -4,8 +4,13 @@ A ``TextEnv`` is stateful, so each episode needs an env instance of its own. Giv
 the adapter makes one per ``reset`` and closes it when the episode ends, so a runner can keep
 any number of episodes in flight through one ``Environment``. Given a single instance, it
 runs one episode at a time: a new ``reset`` leaves the previous episode's states stale.
-Either way ``pure_step`` is False: a state stands for a live env that moves on when stepped,
-so stepping a state twice raises :class:`~agile_llmenvs.errors.StaleStateError`.
+Either way ``pure_step`` is False by default: a state stands for a live env that moves on when
+stepped, so stepping a state twice raises :class:`~agile_llmenvs.errors.StaleStateError`.
+
+A factory of deterministic envs may be declared ``pure_step=True``: each step then rebuilds the
+episode from the state value alone (a fresh instance, reset with the state's seed and task, the
+state's earlier actions replayed), so any state may be stepped any number of times. That costs
+one reset and ``step_count`` replayed steps per step: nothing extra for single-turn envs.
 """
 
 from __future__ import annotations
@@ -59,15 +64,23 @@ class TextEnvironment:
     """
 
     def __init__(
-        self, factory: Callable[[], TextEnv], *, name: str, single: TextEnv | None = None
+        self,
+        factory: Callable[[], TextEnv],
+        *,
+        name: str,
+        single: TextEnv | None = None,
+        pure_step: bool = False,
     ) -> None:
+        if pure_step and single is not None:
+            raise ValueError("pure_step=True needs a factory of envs, not one instance")
         self._factory = factory
         self._single = single
+        self._pure = pure_step
         self._episodes: dict[int, _Episode] = {}
         self._ids = itertools.count()
         probe = single if single is not None else factory()
         try:
-            self._spec = _spec_of(probe, name)
+            self._spec = _spec_of(probe, name, pure_step)
         finally:
             if single is None:
                 probe.close()
@@ -82,6 +95,8 @@ class TextEnvironment:
     ) -> tuple[State, dict[str, Any]]:
         """Start an episode; ``options`` are passed to ``TextEnv.reset`` as the task."""
         task = dict(options or {})
+        if self._pure:
+            return self._reset_pure(seed, task)
         if self._single is not None:
             self._episodes.clear()  # the instance moves on: earlier states go stale
             env = self._single
@@ -96,7 +111,17 @@ class TextEnvironment:
         episode_id = next(self._ids)
         self._episodes[episode_id] = _Episode(env)
         messages = ({"role": "user", "content": observation},)
-        state = State(observation, messages, task=task, episode_id=episode_id)
+        state = State(observation, messages, task=task, episode_id=episode_id, seed=seed)
+        return state, dict(info)
+
+    def _reset_pure(self, seed: int | None, task: dict[str, Any]) -> tuple[State, dict[str, Any]]:
+        env = self._factory()
+        try:
+            observation, info = env.reset(seed=seed, **task)
+        finally:
+            env.close()
+        messages = ({"role": "user", "content": observation},)
+        state = State(observation, messages, task=task, episode_id=next(self._ids), seed=seed)
         return state, dict(info)
 
     def step(self, state: State, action: Action) -> StepResult:
@@ -104,8 +129,11 @@ class TextEnvironment:
 
         Raises:
             StaleStateError: ``state`` was stepped already, its episode ended or was
-                released, or a newer reset took the single env instance.
+                released, or a newer reset took the single env instance (for a pure-step
+                env: only when the episode ended).
         """
+        if self._pure:
+            return self._step_pure(state, action)
         episode = self._episodes.get(state.episode_id)
         if episode is None or episode.step_count != state.step_count or state.done:
             raise StaleStateError(
@@ -120,23 +148,31 @@ class TextEnvironment:
             self.release(state)
             raise
         episode.step_count += 1
-        done = bool(terminated or truncated)
-        turns = [{"role": "assistant", "content": text}]
-        if observation or not done:
-            turns.append({"role": "user", "content": observation})
-        next_state = replace(
-            state,
-            observation=observation,
-            messages=(*state.messages, *turns),
-            step_count=episode.step_count,
-            done=done,
-        )
-        if done:
+        result = _advance(state, text, observation, reward, terminated, truncated, info)
+        if result.done:
             self.release(state)
-        return StepResult(next_state, float(reward), bool(terminated), bool(truncated), info)
+        return result
+
+    def _step_pure(self, state: State, action: Action) -> StepResult:
+        if state.done:
+            raise StaleStateError(
+                f"episode {state.episode_id} ended at step {state.step_count}; "
+                "a finished state cannot be stepped"
+            )
+        text = render_action(action)
+        env = self._factory()
+        try:
+            env.reset(seed=state.seed, **state.task)
+            for message in state.messages:
+                if message["role"] == "assistant":
+                    env.step(str(message["content"]))
+            observation, reward, terminated, truncated, info = env.step(text)
+        finally:
+            env.close()
+        return _advance(state, text, observation, reward, terminated, truncated, info)
 
     def release(self, state: State) -> None:
-        """End ``state``'s episode and close its env (a no-op when already ended)."""
+        """End ``state``'s episode and close its env (a no-op when ended, or pure-step)."""
         episode = self._episodes.pop(state.episode_id, None)
         if episode is not None and self._single is None:
             episode.env.close()
@@ -151,10 +187,33 @@ class TextEnvironment:
             self._single.close()
 
 
-def _spec_of(env: TextEnv, name: str) -> EnvironmentSpec:
+def _advance(
+    state: State,
+    text: str,
+    observation: str,
+    reward: float,
+    terminated: bool,
+    truncated: bool,
+    info: dict[str, Any],
+) -> StepResult:
+    done = bool(terminated or truncated)
+    turns = [{"role": "assistant", "content": text}]
+    if observation or not done:
+        turns.append({"role": "user", "content": observation})
+    next_state = replace(
+        state,
+        observation=observation,
+        messages=(*state.messages, *turns),
+        step_count=state.step_count + 1,
+        done=done,
+    )
+    return StepResult(next_state, float(reward), bool(terminated), bool(truncated), info)
+
+
+def _spec_of(env: TextEnv, name: str, pure_step: bool) -> EnvironmentSpec:
     return EnvironmentSpec(
         name=name,
-        pure_step=False,
+        pure_step=pure_step,
         dataset_size=env.dataset_size if isinstance(env, SupportsDatasetSize) else None,
         max_turns=env.max_turns if isinstance(env, SupportsMaxTurns) else None,
         tools=tuple(env.tools) if isinstance(env, SupportsTools) else (),
@@ -162,7 +221,10 @@ def _spec_of(env: TextEnv, name: str) -> EnvironmentSpec:
 
 
 def from_text_env(
-    env: TextEnv | Callable[[], TextEnv], *, name: str | None = None
+    env: TextEnv | Callable[[], TextEnv],
+    *,
+    name: str | None = None,
+    pure_step: bool = False,
 ) -> TextEnvironment:
     """Adapt a ``TextEnv`` (or a zero-argument factory of them) to :class:`Environment`.
 
@@ -170,19 +232,23 @@ def from_text_env(
         env: A factory (a ``TextEnv`` class, say), so that each episode gets its own
             instance (what batched runners need), or one instance, for one episode at a time.
         name: A label for results; defaults to the env's class (or the factory's) name.
+        pure_step: Declare the factory's envs deterministic given the seed and task: each
+            step then rebuilds the episode from the state (see the module docstring), so
+            states may be stepped many times and branched for free.
 
     Returns:
         The adapted environment.
 
     Raises:
         TypeError: ``env`` is neither a ``TextEnv`` nor callable.
+        ValueError: ``pure_step=True`` with a single instance instead of a factory.
     """
     if isinstance(env, TextEnv) and not isinstance(env, type):  # a class is a factory
         label = name or type(env).__name__
-        return TextEnvironment(lambda: env, name=label, single=env)
+        return TextEnvironment(lambda: env, name=label, single=env, pure_step=pure_step)
     if not callable(env):
         raise TypeError(
             f"from_text_env needs a TextEnv or a factory of them; got {type(env).__name__}"
         )
     label = name or getattr(env, "__name__", None) or type(env).__name__
-    return TextEnvironment(env, name=label)
+    return TextEnvironment(env, name=label, pure_step=pure_step)

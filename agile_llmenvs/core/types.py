@@ -28,6 +28,10 @@ class EnvironmentSpec:
         dataset_size: How many tasks (``task_index`` 0 .. n-1) the env has, if it says.
         max_turns: The env's own turn budget, if it declares one.
         tools: Tools (OpenAI function shape) the env offers the policy.
+        forkable: Everything the env's episodes hold lives in this process's memory (no
+            child process, socket or temporary directory of its own), so a forked copy of
+            the process is an independent copy of the env. Branching reads it to choose a
+            strategy; an env that starts a shell or talks to a server sets it False.
     """
 
     name: str
@@ -35,6 +39,7 @@ class EnvironmentSpec:
     dataset_size: int | None = None
     max_turns: int | None = None
     tools: tuple[Mapping[str, Any], ...] = ()
+    forkable: bool = True
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class State:
         task: The task the episode was reset with (``{"row_index": 3}``, say).
         episode_id: Identifies the episode among those the environment is running.
         payload: Whatever else the environment keeps in its states.
+        seed: The seed the episode was reset with, so it can be rebuilt by replay.
     """
 
     observation: str
@@ -59,6 +65,7 @@ class State:
     task: Mapping[str, Any] = field(default_factory=dict)
     episode_id: int = 0
     payload: Any = None
+    seed: int | None = None
 
 
 @dataclass(frozen=True)

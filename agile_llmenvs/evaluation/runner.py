@@ -9,6 +9,7 @@ shrinks, and short ones never wait on long ones beyond the step they are in.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +57,12 @@ class RunnerConfig:
 
 @dataclass
 class Rollout:
-    """One trajectory in flight: its runner, its current state, and what happened so far."""
+    """One trajectory in flight: its runner, its current state, and what happened so far.
+
+    ``env`` is the instance the rollout steps (the runner's environment unless the
+    multi-instance path gave it one of its own); ``base_steps`` counts the steps taken before
+    the rollout began (a rollout from a mid-episode state), which the step budget includes.
+    """
 
     runner: TrajectoryRunner
     task_index: int
@@ -65,11 +71,18 @@ class Rollout:
     last_info: dict[str, Any] = field(default_factory=dict)
     stop_reason: StopReason | None = None
     error: str | None = None
+    env: Environment | None = None
+    base_steps: int = 0
 
     @property
     def finished(self) -> bool:
         """Whether the trajectory has ended."""
         return self.stop_reason is not None
+
+    @property
+    def environment(self) -> Environment:
+        """The environment this rollout steps."""
+        return self.env if self.env is not None else self.runner.environment
 
 
 class TrajectoryRunner:
@@ -81,10 +94,12 @@ class TrajectoryRunner:
         backend: Generates the completions.
         sampling_params: How to sample; defaults to ``SamplingParams()``.
         config: System prompt, step budget, seeding and the success threshold.
-        env_factory: Makes fresh environments; kept for branching, which builds independent
-            copies from it (not used by ``run_batch``).
-        restore_fn: Restores an environment to a ``State``; kept for branching (not used
-            by ``run_batch``).
+        env_factory: Makes fresh, independent environments. With ``restore_fn``, rollouts
+            from states of a non-pure env each get their own instance (see
+            :meth:`run_batch_from_states`); ignored for a pure-step env.
+        restore_fn: ``restore_fn(fresh_env, state) -> state``: brings a fresh instance to
+            ``state`` (by replay, say: :func:`~agile_llmenvs.core.replay.replay_restore`)
+            and returns the restored state, which is then stepped on that instance.
     """
 
     def __init__(
@@ -140,6 +155,66 @@ class TrajectoryRunner:
             results.append(self.collect(rollouts))
         return BatchResult.concat(results, self.environment.spec.name)
 
+    def run_batch_from_states(
+        self,
+        states: Sequence[State],
+        batch_size: int | None = None,
+        progress_callback: ProgressCallback | None = None,
+    ) -> BatchResult:
+        """Continue one trajectory from each state, in lock-step (Monte-Carlo rollouts).
+
+        A pure-step env runs every rollout on the runner's environment (a state may appear
+        any number of times). A non-pure env with ``env_factory`` and ``restore_fn`` gives
+        each rollout a fresh instance restored to its state (in parallel threads), steps the
+        instances in parallel threads with one backend call per step for all, and closes
+        every instance when the chunk ends, also on error. A non-pure env without them can
+        only continue distinct live episodes, each once.
+
+        Args:
+            states: The states to continue from; results come back in this order.
+            batch_size: At most this many rollouts (and, on the multi-instance path, live
+                env instances) at once; more states run in consecutive chunks.
+            progress_callback: ``callback(completed, total)`` after each trajectory ends.
+
+        Returns:
+            One trajectory per state: its turns and reward are the continuation's only; its
+            messages hold the whole conversation. The step budget counts the steps taken
+            before the state.
+
+        Raises:
+            EvaluationError: ``batch_size`` is below 1, ``env_factory`` is given without
+                ``restore_fn``, or a non-pure env without them is given the same episode twice.
+        """
+        from agile_llmenvs.evaluation.instances import run_from_states
+
+        return run_from_states(self, states, None, batch_size, progress_callback)
+
+    def run_batch_from_state_actions(
+        self,
+        states: Sequence[State],
+        actions: Sequence[Action],
+        batch_size: int | None = None,
+        progress_callback: ProgressCallback | None = None,
+    ) -> BatchResult:
+        """Like :meth:`run_batch_from_states`, with each rollout's first step forced.
+
+        Rollout ``i`` takes ``actions[i]`` in ``states[i]`` and then follows the backend,
+        so the mean total reward over rollouts of one ``(state, action)`` pair estimates its
+        Q-value.
+
+        Raises:
+            EvaluationError: ``states`` and ``actions`` differ in length, or as for
+                :meth:`run_batch_from_states`.
+        """
+        from agile_llmenvs.evaluation.instances import run_from_states
+
+        if len(actions) != len(states):
+            raise EvaluationError(
+                f"run_batch_from_state_actions needs one action per state; got "
+                f"{len(states)} states and {len(actions)} actions"
+            )
+        return run_from_states(self, states, actions, batch_size, progress_callback)
+
     # The per-trajectory steps, also driven by run_multi_evaluation's shared loop.
 
     def start(self, task_index: int) -> Rollout:
@@ -167,9 +242,13 @@ class TrajectoryRunner:
         if completion.finish_reason == "error":
             self._end(rollout, StopReason.BACKEND_ERROR, completion.error or "backend error")
             return
-        action = Action.from_completion(completion)
+        self.act(rollout, Action.from_completion(completion))
+
+    def act(self, rollout: Rollout, action: Action) -> None:
+        """Step ``rollout``'s episode with ``action``, ending it when it is done."""
+        assert rollout.state is not None
         try:
-            result = self.environment.step(rollout.state, action)
+            result = rollout.environment.step(rollout.state, action)
         except Exception as exc:
             self._end(rollout, StopReason.ENV_ERROR, _describe(exc))
             return
@@ -181,7 +260,7 @@ class TrajectoryRunner:
             rollout.stop_reason = StopReason.TERMINATED
         elif result.truncated:
             rollout.stop_reason = StopReason.TRUNCATED
-        elif len(rollout.turns) >= self.max_steps:
+        elif rollout.base_steps + len(rollout.turns) >= self.max_steps:
             self._end(rollout, StopReason.MAX_STEPS)
 
     def collect(self, rollouts: Sequence[Rollout]) -> BatchResult:
@@ -211,7 +290,7 @@ class TrajectoryRunner:
     def _end(self, rollout: Rollout, reason: StopReason, error: str | None = None) -> None:
         rollout.stop_reason, rollout.error = reason, error
         if rollout.state is not None:
-            self.environment.release(rollout.state)
+            rollout.environment.release(rollout.state)
 
 
 _CLEAN_ENDS = (StopReason.TERMINATED, StopReason.TRUNCATED, StopReason.MAX_STEPS)
@@ -247,11 +326,13 @@ def run_lockstep(
     backend: Backend,
     params: SamplingParams,
     progress: ProgressCounter | None = None,
+    executor: Executor | None = None,
 ) -> None:
     """Drive ``rollouts`` to their ends, one backend call per step for all live ones.
 
     Each rollout is built and stepped by its own runner, so rollouts of several
-    environments can share the loop (all must offer the same tools).
+    environments can share the loop (all must offer the same tools). With ``executor``, the
+    env steps of one round run in its threads (rollouts on independent env instances).
     """
     for rollout in rollouts:
         if rollout.finished and progress is not None:  # its reset failed
@@ -269,8 +350,13 @@ def run_lockstep(
                 f"{type(backend).__name__} returned {len(completions)} completions for a batch "
                 f"of {len(batch)}; a backend must return one per conversation"
             )
-        for rollout, completion in zip(live, completions, strict=True):
-            rollout.runner.advance(rollout, completion)
+        pairs = list(zip(live, completions, strict=True))
+        if executor is None:
+            for rollout, completion in pairs:
+                rollout.runner.advance(rollout, completion)
+        else:
+            list(executor.map(lambda pair: pair[0].runner.advance(*pair), pairs))
+        for rollout in live:
             if rollout.finished and progress is not None:
                 progress.finished()
         live = [r for r in live if not r.finished]

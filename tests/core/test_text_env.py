@@ -31,6 +31,7 @@ def test_reset_and_step_build_the_conversation() -> None:
         messages=({"role": "user", "content": "Say the digit 4."},),
         task={"row_index": 4},
         episode_id=0,
+        seed=9,
     )
     first = env.step(state, Action.from_text("4"))
     assert first == StepResult(
@@ -44,6 +45,7 @@ def test_reset_and_step_build_the_conversation() -> None:
             step_count=1,
             task={"row_index": 4},
             episode_id=0,
+            seed=9,
         ),
         reward=1.0,
         info={"turn": 1},

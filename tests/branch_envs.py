@@ -1,0 +1,149 @@
+"""Text envs for the branching and from-state tests, importable by branch processes.
+
+They live in a module on the test path (not in a test file) so that the branch processes,
+which unpickle them, can import them by name.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+from agile_llmenvs.core import EnvironmentSpec, State, from_text_env
+from agile_llmenvs.core.text_env import TextEnvironment
+
+
+class LedgerEnv:
+    """Keeps every action in its own memory; the observation is the ledger so far.
+
+    Each step pays the ledger's length; ``"stop"`` terminates. ``ballast_mb`` megabytes of
+    touched memory make the env as big as a real simulator, for the fork benchmarks.
+    """
+
+    def __init__(self, ballast_mb: int = 0) -> None:
+        self.ledger: list[str] = []
+        self.ballast = bytearray(os.urandom(1)) * (ballast_mb << 20)
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> tuple[str, dict[str, Any]]:
+        start = str(task.get("start", "start"))
+        self.ledger = [start]
+        return self.render(), {"seed": seed}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        self.ledger.append(action)
+        return self.render(), float(len(self.ledger)), action == "stop", False, {"pid": os.getpid()}
+
+    def render(self) -> str:
+        return "|".join(self.ledger)
+
+    def close(self) -> None:
+        self.ledger = []
+
+
+def ledger_env(ballast_mb: int = 0) -> TextEnvironment:
+    """A non-pure, forkable Environment over one LedgerEnv per episode."""
+    return from_text_env(lambda: LedgerEnv(ballast_mb), name="ledger")
+
+
+class LockedLedgerEnv(LedgerEnv):
+    """A LedgerEnv holding a lock: it does not pickle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+
+class MarkedEnvironment(TextEnvironment):
+    """A TextEnvironment whose spec says it is not forkable (as an env with a shell would)."""
+
+    @property
+    def spec(self) -> EnvironmentSpec:
+        return EnvironmentSpec(name="marked", forkable=False)
+
+
+def marked_env() -> MarkedEnvironment:
+    return MarkedEnvironment(LedgerEnv, name="marked")
+
+
+#: The outcome table of DiceEnv: action -> [(probability, reward, terminates)].
+DICE_OUTCOMES: dict[str, list[tuple[float, float, bool]]] = {
+    "risky": [(0.5, 2.0, False), (0.5, 0.0, True)],
+    "safe": [(1.0, 0.25, True)],
+    "other": [(0.25, 1.0, False), (0.25, 0.0, False), (0.5, 0.0, True)],
+}
+
+
+class DiceEnv:
+    """A stochastic env: each step draws its outcome from ``DICE_OUTCOMES`` with the
+    process-wide ``random`` module (which CPython reseeds in every forked child). Actions
+    other than ``risky`` and ``safe`` count as ``other``; at most ``max_turns`` steps.
+    """
+
+    max_turns = 3
+
+    def __init__(self) -> None:
+        self.turn = 0
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> tuple[str, dict[str, Any]]:
+        self.turn = 0
+        return "Pick risky or safe.", {}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        self.turn += 1
+        kind = action if action in DICE_OUTCOMES else "other"
+        draw, total = random.random(), 0.0
+        for probability, reward, terminates in DICE_OUTCOMES[kind]:  # noqa: B007 (the drawn one)
+            total += probability
+            if draw < total:
+                break
+        done = terminates or self.turn >= self.max_turns
+        return f"Turn {self.turn}: you got {reward}.", reward, done, False, {}
+
+    def close(self) -> None:
+        pass
+
+
+def dice_value(kind: str, turns_left: int) -> float:
+    """The exact expected return of taking ``kind`` and then ``other`` until the end."""
+    value = 0.0
+    for probability, reward, terminates in DICE_OUTCOMES[kind]:
+        future = 0.0 if terminates or turns_left == 1 else dice_value("other", turns_left - 1)
+        value += probability * (reward + future)
+    return value
+
+
+def live_pids(pids: list[int]) -> list[int]:
+    """The pids of ``pids`` that still exist (zombies included: they were not reaped)."""
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+
+
+def children_of(pid: int) -> list[int]:
+    """The pids whose parent is ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+__all__ = [
+    "DICE_OUTCOMES",
+    "DiceEnv",
+    "LedgerEnv",
+    "LockedLedgerEnv",
+    "MarkedEnvironment",
+    "State",
+    "children_of",
+    "dice_value",
+    "ledger_env",
+    "live_pids",
+    "marked_env",
+]

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 __all__ = [
     "AgileLLMEnvsError",
+    "BenchError",
+    "BranchError",
+    "CheckpointError",
+    "ContinuationPromptError",
     "EnvAuthError",
     "EnvBuildError",
     "EnvCapacityError",
@@ -16,15 +20,19 @@ __all__ = [
     "EnvError",
     "EnvExecutionError",
     "EnvFactoryError",
+    "EnvHostError",
     "EnvProtocolError",
     "EnvStateError",
     "EnvTimeoutError",
     "ImportPathError",
     "ManifestError",
     "OptionalDependencyError",
+    "ReplayError",
     "SlotTimeoutError",
     "StaleEpisodeError",
     "StaleStateError",
+    "TaskMismatchError",
+    "TaskSelectionError",
 ]
 
 
@@ -151,3 +159,40 @@ class StaleEpisodeError(EnvStateError):
 
 class SlotTimeoutError(AgileLLMEnvsError, TimeoutError):
     """No rollout slot became free within ``slot_acquire_timeout_s``."""
+
+
+class BranchError(AgileLLMEnvsError, ValueError):
+    """A checkpoint or branch that cannot be made: an unknown name, a strategy that does not
+    fit the env, a replay that diverged, or a released manager."""
+
+
+class BenchError(AgileLLMEnvsError, RuntimeError):
+    """A benchmark script failed, printed no JSON result, or was asked for by a wrong name."""
+
+
+class TaskSelectionError(AgileLLMEnvsError, ValueError):
+    """Reset options did not select one task: an unknown or conflicting key, or no such task."""
+
+
+class ReplayError(AgileLLMEnvsError, RuntimeError):
+    """Replaying an episode's recorded actions did not reach the recorded state (the env is
+    not deterministic given its seed and task, or the actions were not the ones taken)."""
+
+
+class TaskMismatchError(ReplayError):
+    """The task at a state's index is not the state's task: the task list changed since."""
+
+
+class ContinuationPromptError(ReplayError):
+    """A replayed command would leave the shell waiting for more input (a continuation prompt)."""
+
+
+class EnvHostError(EnvConnectionError):
+    """An env host (a Ray actor serving env sessions) died or cannot be reached: the episodes
+    it carried are over, and new sessions go to the healthy hosts while Ray restarts it."""
+
+    code = "HOST_LOST"
+
+
+class CheckpointError(AgileLLMEnvsError):
+    """A run cannot resume: no checkpoint, or one saved by another setup."""

@@ -19,6 +19,10 @@ class EnvironmentFactory:
     def create(config: EnvironmentConfig) -> TextEnvironment:
         """A state-passing environment that can run many episodes at once.
 
+        reasoning-gym envs are pure-step (one deterministic scoring step); an entry-point
+        env is when ``config.pure_step`` says so. Branch it with
+        ``BranchManager.create(env, strategy=config.branching_strategy)``.
+
         Raises:
             OptionalDependencyError: The env's source package is not installed.
             EnvBuildError: The source cannot build the env.
@@ -30,13 +34,13 @@ class EnvironmentFactory:
             factory = reasoning_gym_factory(
                 config.name, size=config.size, seed=config.seed, **config.env_config
             )
-            return from_text_env(factory, name=config.name)
+            return from_text_env(factory, name=config.name, pure_step=True)
         from agile_llmenvs._imports import load_object
 
         assert config.entry_point is not None  # the model validator guarantees it
         target = load_object(config.entry_point)
         kwargs = dict(config.env_config)
-        return from_text_env(lambda: target(**kwargs), name=config.name)
+        return from_text_env(lambda: target(**kwargs), name=config.name, pure_step=config.pure_step)
 
 
 class BackendFactory:

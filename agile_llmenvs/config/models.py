@@ -49,6 +49,20 @@ class EnvironmentConfig(BaseModel):
         default_factory=dict, description="Keyword arguments for the dataset or entry point."
     )
     max_steps: int = Field(10, ge=1, description="Most steps per trajectory.")
+    pure_step: bool = Field(
+        False,
+        description=(
+            "Declare an entry-point env deterministic given its seed and task, so its states "
+            "can be stepped many times and branched for free (reasoning_gym envs always are)."
+        ),
+    )
+    branching_strategy: Literal["direct", "process_fork", "action_replay"] | None = Field(
+        None,
+        description=(
+            "The BranchManager strategy for this env; None picks the first that fits "
+            "(direct, process_fork, action_replay)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _entry_point_matches_source(self) -> EnvironmentConfig:

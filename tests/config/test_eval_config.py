@@ -14,6 +14,7 @@ from agile_llmenvs.backends import (
     OpenRouterBackend,
     SamplingParams,
 )
+from agile_llmenvs.branching import BranchManager
 from agile_llmenvs.config import (
     BackendFactory,
     EnvironmentConfig,
@@ -77,6 +78,12 @@ def _write(tmp_path: Path, text: str) -> Path:
             "Input should be greater than or equal to 0",
         ),
         (
+            "environments: [{name: a, branching_strategy: copy}]\n"
+            "model: {backend: openai, model: m}\n",
+            ("environments", 0, "branching_strategy"),
+            "Input should be 'direct', 'process_fork' or 'action_replay'",
+        ),
+        (
             "environments: [{name: a, source: entry_point}]\nmodel: {backend: openai, model: m}\n",
             ("environments", 0),
             "Value error, source 'entry_point' needs entry_point: 'package.module:attr'",
@@ -115,6 +122,9 @@ def test_reasoning_gym_environment_scores_with_the_dataset() -> None:
     wrong = env.step(state, Action("<answer>-1</answer>"))
     assert wrong.info["success"] is False
     assert wrong.reward < 1.0
+    assert env.spec.pure_step  # one deterministic scoring step: the same state scores twice
+    assert env.step(state, Action(f"<answer>{expected}</answer>")).reward == 1.0
+    assert BranchManager.create(env).strategy_name == "direct"
     with pytest.raises(EnvBuildError, match=r"could not build dataset 'no_such_dataset'"):
         EnvironmentFactory.create(EnvironmentConfig(name="no_such_dataset", size=1))
 
@@ -127,7 +137,9 @@ def test_entry_point_environment() -> None:
         env_config={"bad_rows": frozenset({9})},
     )
     env = EnvironmentFactory.create(config)
-    assert (env.spec.name, env.spec.dataset_size) == ("digits", 10)
+    assert (env.spec.name, env.spec.dataset_size, env.spec.pure_step) == ("digits", 10, False)
+    pure = EnvironmentFactory.create(config.model_copy(update={"pure_step": True}))
+    assert pure.spec.pure_step
     with pytest.raises(KeyError):
         env.reset(options={"row_index": 9})
     missing = config.model_copy(update={"entry_point": "fakes:NoSuchEnv"})

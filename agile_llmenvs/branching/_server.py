@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import select
 import signal
 import socket
 import sys
@@ -77,55 +78,58 @@ class _Process:
                 "could deadlock. Branch it with strategy='action_replay' and an env_factory"
             )
         pid = os.fork()
-        if pid == 0:  # the child: serve the new socket, never return into this loop
-            code = 0
-            try:
-                self.sock.close()
-                self.children.clear()
-                _Process(new_sock, None).greet_and_serve(load_env)
-            except BaseException:
-                code = 1
-            finally:
-                os._exit(code)
+        if pid == 0:
+            # The child unwinds to run()'s loop before it serves, so the frames of this
+            # request (and a shipped env's pickled bytes) are freed rather than kept forever.
+            self.sock.close()
+            raise _Forked(new_sock, load_env)
         new_sock.close()
         self.children.add(pid)
         return pid
 
-    def greet_and_serve(self, load_env: Callable[[], tuple[Any, Any]]) -> None:
+    @classmethod
+    def greet(cls, sock: socket.socket, load_env: Callable[[], tuple[Any, Any]]) -> _Process:
+        """A child's start: load its env and tell the manager (spec, state), or the error."""
+        process = cls(sock, None)
         try:
-            self.env, state = load_env()
-            send(self.sock, ("ok", (self.env.spec, state)))
+            process.env, state = load_env()
+            send(sock, ("ok", (process.env.spec, state)))
         except BaseException as exc:
-            send(self.sock, ("error", _portable(exc)))
-            return
-        self.serve()
+            send(sock, ("error", _portable(exc)))
+            raise
+        return process
 
     def reap(self, pid: int) -> None:
+        """Wait for ``pid`` (its socket was closed, so it is exiting); kill it after a grace."""
         if pid not in self.children:
             return
         self.children.discard(pid)
-        deadline = time.monotonic() + _REAP_GRACE_S
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                return
-            time.sleep(0.0005)
+        if not _exited_within(pid, _REAP_GRACE_S):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
     def serve(self) -> None:
+        """Answer requests until end-of-file, then shut down (a forked child escapes as
+        :class:`_Forked` without shutting anything down)."""
         try:
             while True:
                 try:
                     op, args = receive(self.sock)
                 except (EOFError, OSError):
-                    return
+                    break
                 try:
                     reply = ("ok", self.handle(op, args))
+                except _Forked:
+                    raise
                 except BaseException as exc:
                     reply = ("error", _portable(exc))
                 send(self.sock, reply)
-        finally:
+        except _Forked:
+            raise
+        except BaseException:
             self.shutdown()
+            raise
+        self.shutdown()
 
     def shutdown(self) -> None:
         for pid in self.children:
@@ -139,6 +143,27 @@ class _Process:
             with contextlib.suppress(Exception):
                 self.env.close()
         self.sock.close()
+
+
+def _exited_within(pid: int, timeout_s: float) -> bool:
+    """Whether child ``pid`` exits within ``timeout_s`` (it is not reaped here)."""
+    if hasattr(os, "pidfd_open"):
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return True  # already gone
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        try:
+            return bool(poller.poll(timeout_s * 1000))
+        finally:
+            os.close(fd)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return True
+        time.sleep(0.0005)
+    return False
 
 
 def _load(payload: bytes) -> tuple[Any, Any]:
@@ -167,15 +192,42 @@ def _portable(exc: BaseException) -> BaseException:
     return exc
 
 
+class _Forked(BaseException):  # noqa: N818 - a control-flow signal, not an error
+    """Raised in a freshly forked child to unwind it to :func:`serve`'s loop."""
+
+    def __init__(self, sock: socket.socket, load_env: Callable[[], tuple[Any, Any]]) -> None:
+        super().__init__()
+        self.sock, self.load_env = sock, load_env
+
+
 def serve(sock: socket.socket, env: Any) -> None:
-    """Serve ``env`` over ``sock`` until the peer closes it (used by the zygote and tests)."""
-    _Process(sock, env).serve()
+    """Serve ``env`` over ``sock`` until the peer closes it; forked children continue here.
+
+    Every process of the tree runs this loop: the zygote (``env=None``) and, after a fork
+    unwinds to it, each holder and branch.
+    """
+    process = _Process(sock, env)
+    while True:
+        try:
+            process.serve()
+            return
+        except _Forked as forked:
+            child_sock, load_env = forked.sock, forked.load_env
+            del forked
+            process = _Process.greet(child_sock, load_env)
+            del load_env
 
 
 def main() -> None:
     """The zygote: serve the socket whose descriptor is the first argument."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the manager's process decides when to stop
-    serve(socket.socket(fileno=int(sys.argv[1])), None)
+    code = 0
+    try:
+        serve(socket.socket(fileno=int(sys.argv[1])), None)
+    except BaseException:
+        code = 1
+    finally:
+        os._exit(code)  # forked children end here too: never run the zygote's exit hooks
 
 
 if __name__ == "__main__":

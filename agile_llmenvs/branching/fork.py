@@ -28,6 +28,8 @@ from agile_llmenvs.errors import BranchError
 
 __all__ = ["ForkedEnvironment", "ProcessForkStrategy"]
 
+_HUGEPAGES = "glibc.malloc.hugetlb=1"
+
 
 class _Node:
     """A process of the branch tree that answers requests over one socket."""
@@ -140,6 +142,10 @@ class _Zygote(_Node):
         mine, theirs = socket.socketpair()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        # Large allocations on transparent huge pages: a fork then copies one page-table
+        # entry per 2 MB instead of 512, so branching a 500 MB env costs what a 10 MB one does.
+        tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
+        env["GLIBC_TUNABLES"] = ":".join([*tunables, _HUGEPAGES])
         process = subprocess.Popen(
             [sys.executable, "-m", "agile_llmenvs.branching._server", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
@@ -170,7 +176,9 @@ class ProcessForkStrategy:
     """Branch by forking a process that holds the env at the checkpoint.
 
     Exact for any env whose episodes live in its own memory (``spec.forkable``), whatever
-    they hold; each branch costs one ``fork`` (copy-on-write, so flat in the env's size).
+    they hold; each branch costs one ``fork`` (copy-on-write, and flat in the env's size:
+    branch processes back large allocations with transparent huge pages, through glibc's
+    ``glibc.malloc.hugetlb=1`` tunable, so a fork copies one page-table entry per 2 MB).
     A local env is shipped to the branch processes once per checkpoint with ``cloudpickle``;
     an env that does not pickle is rebuilt there by replay from ``env_factory`` instead.
 

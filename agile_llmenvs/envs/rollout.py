@@ -37,8 +37,11 @@ def make_rollout_env_factory(
     builder is picked by the one source the spec names: dataset rows + a rubric (a
     single-turn env), an ``env_url`` (a list spreads sessions across the URLs, round-robin),
     or an ``entrypoint`` (built in this process, with its ``factory``, ``env_config`` and
-    ``env_packages``). The turn budget rides along: an entrypoint env that does not declare
-    ``max_turns`` in the manifest is probed for one.
+    ``env_packages``). An entrypoint with hosting fields (``env_hosts``, ...) is served by
+    Ray env hosts instead: the factory is then a
+    :class:`~agile_llmenvs.hosting.HostedHarnessFactory`, whose ``close()`` stops the hosts.
+    The turn budget rides along: an entrypoint env that does not declare ``max_turns`` in the
+    manifest is probed for one.
 
     Args:
         spec: The env spec, with ``env_type: rollout``.
@@ -54,8 +57,9 @@ def make_rollout_env_factory(
 
     Raises:
         EnvBuildError: the spec is not a rollout spec, names an ``env_image`` (that needs an
-            orchestrator placing Pods), uses the hosting fields (Ray env hosts), or its
-            source cannot be built (missing rubric function, unreadable rows, ...).
+            orchestrator placing Pods), its env hosts did not start in time, or its source
+            cannot be built (missing rubric function, unreadable rows, ...).
+        OptionalDependencyError: the hosting fields are set and ray is not installed.
     """
     if spec.env_type != "rollout":
         raise EnvBuildError(f"{spec.label!r} is a dataset env: build it with make_llm_env")
@@ -120,13 +124,11 @@ def _url_factory(
 def _entrypoint_factory(
     spec: LLMEnvSpec, tokenizer: Any, settings: dict[str, Any], allow_install: bool
 ) -> tuple[HarnessFactory, int]:
-    hosted = [f for f in HOSTING_FIELDS if f in spec.model_fields_set and getattr(spec, f)]
-    if hosted:
-        raise EnvBuildError(
-            f"{hosted[0]}: env hosts run on the Ray runtime, which this "
-            "version does not start yet; drop the hosting fields to run the "
-            "env in this process, or serve it and set env_url"
-        )
+    if any(f in spec.model_fields_set and getattr(spec, f) for f in HOSTING_FIELDS):
+        from agile_llmenvs.hosting.factory import HostedHarnessFactory
+
+        hosted = HostedHarnessFactory.start(spec, tokenizer, settings, allow_install=allow_install)
+        return hosted, hosted.max_turns
     assert spec.entrypoint is not None
     ensure_env_packages(spec.env_packages, allow_install=allow_install)
     make_env = env_factory(spec.entrypoint, spec.env_config, factory=spec.factory)

@@ -136,33 +136,46 @@ class LLMEnvSpec(BaseModel):
     adaptive_task_sampling: bool = Field(
         False, description="Favour rows whose groups were informative (rollout envs)."
     )
-    env_hosts: PositiveInt = _d("Ray env hosts serving the entrypoint env.")
+    env_hosts: PositiveInt = _d("Ray env hosts serving the entrypoint env (default 1).")
     env_image: str | None = Field(
         None, min_length=1, description="Prebuilt env image the Ray runtime runs as a Pod."
     )
-    env_port: Port | None = _d("Port the env server listens on inside a host.")
-    env_sessions_per_host: PositiveInt = _d("Concurrent env sessions each host serves.")
-    env_session_ports: dict[str, Port] = Field(
-        default_factory=dict, description="Named extra ports each session exposes."
+    env_port: Port | None = _d("Host i's env server listens on env_port + i (default: any).")
+    env_sessions_per_host: PositiveInt = _d(
+        "Concurrent env sessions each host serves (default: unlimited)."
     )
-    cpus_per_env_host: float | None = Field(None, gt=0.0, description="CPUs per env host.")
+    env_session_ports: dict[str, Port] = Field(
+        default_factory=dict,
+        description="Named base ports: session k of host i gets base + i * "
+        "env_sessions_per_host + k, as the env's `session_ports` argument.",
+    )
+    cpus_per_env_host: float | None = Field(
+        None, gt=0.0, description="CPUs each env host holds (default 1)."
+    )
     env_host_memory_bytes: int | None = Field(
         None, gt=0, description="Memory reserved per env host, in bytes."
     )
     env_host_memory_limit_bytes: int | None = Field(
-        None, gt=0, description="Memory limit per env host, in bytes."
+        None,
+        gt=0,
+        description="Resident memory (host and children) past which an env host is "
+        "restarted, in bytes.",
     )
     env_host_ready_timeout_s: float | None = Field(
-        None, gt=0.0, description="Seconds to wait for each env host to become ready."
+        None,
+        gt=0.0,
+        description="Seconds each env host may take to become ready (default 120).",
     )
     env_services: list[EnvServiceSpec] = Field(
-        default_factory=list, description="Sidecar services started beside each env host."
+        default_factory=list,
+        description="Sidecar processes started on each env host before its env server.",
     )
     env_host_resource: str | None = Field(
         None, min_length=1, description="Custom Ray resource each env host requires."
     )
     env_vars: dict[str, str] = Field(
-        default_factory=dict, description="Environment variables of each env host."
+        default_factory=dict,
+        description="Environment variables of each env host (and of its services).",
     )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments for the chat template."

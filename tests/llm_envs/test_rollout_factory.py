@@ -111,10 +111,6 @@ def test_an_entrypoint_in_process_with_config_and_a_declared_budget(tokenizer: A
 def test_sources_that_cannot_be_built_here(tokenizer: Any) -> None:
     with pytest.raises(EnvBuildError, match="runs as its own Pod, placed by an orchestrator"):
         make_rollout_env_factory(LLMEnvSpec(env_type="rollout", env_image="reg/env:1"), tokenizer)
-    with pytest.raises(EnvBuildError, match="env_hosts: env hosts run on the Ray runtime"):
-        make_rollout_env_factory(
-            LLMEnvSpec(env_type="rollout", entrypoint="echo_envs:EchoEnv", env_hosts=2), tokenizer
-        )
     dataset = load_manifest(MANIFESTS / "sft_digits.yaml").env
     with pytest.raises(EnvBuildError, match="is a dataset env: build it with make_llm_env"):
         make_rollout_env_factory(dataset, tokenizer)  # type: ignore[arg-type]

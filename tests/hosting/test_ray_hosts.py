@@ -1,0 +1,331 @@
+"""Env hosts on a real local Ray cluster: spreading, readiness, host death, resources."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from agile_llmenvs.envs import make_rollout_env_factory
+from agile_llmenvs.errors import EnvAuthError, EnvBuildError, EnvCapacityError, EnvHostError
+from agile_llmenvs.hosting import (
+    HOST_INDEX_VAR,
+    EnvHostPool,
+    HostConfig,
+    HostedEnvClient,
+    HostedHarnessFactory,
+    HostState,
+)
+from agile_llmenvs.llm_envs import RolloutCollector
+from agile_llmenvs.specs import LLMEnvSpec
+from agile_llmenvs.transport.remote import RemoteEnvClient
+
+ray = pytest.importorskip("ray", reason="needs the `ray` extra")
+
+pytestmark = pytest.mark.ray
+
+HERE = Path(__file__).resolve().parent
+EOS = 2
+CLUSTER_CPUS = 2.0
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """One local cluster for the module; its workers import the test envs of this folder."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_AUTH_MODE", "disabled")
+        path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+        ray.init(
+            num_cpus=int(CLUSTER_CPUS),
+            resources={"sandbox": 1},
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": path}},
+        )
+        yield
+        try:
+            assert _wait_for(lambda: ray.available_resources().get("CPU") == CLUSTER_CPUS)
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_hosts(ray_cluster: None) -> Iterator[None]:
+    """Every test gives back the CPUs its own hosts held: no actor outlives its pool."""
+    before = ray.available_resources().get("CPU")
+    yield
+    assert _wait_for(lambda: ray.available_resources().get("CPU") == before), (
+        f"hosts leaked: {ray.available_resources()}, {before} CPUs were free before"
+    )
+
+
+@pytest.fixture(scope="module")
+def two_hosts(ray_cluster: None, tokenizer: Any) -> Iterator[HostedHarnessFactory]:
+    """2 hosts x 4 sessions, from the manifest fields, shared by the collector tests."""
+    spec = LLMEnvSpec(
+        env_type="rollout",
+        entrypoint="host_envs:HostEnv",
+        env_hosts=2,
+        env_sessions_per_host=4,
+        cpus_per_env_host=0.5,
+        env_host_ready_timeout_s=60,
+        request_timeout_s=30,
+    )
+    factory, max_turns = make_rollout_env_factory(spec, tokenizer)
+    assert isinstance(factory, HostedHarnessFactory)
+    assert max_turns == 2  # probed on a host
+    yield factory
+    factory.close()
+
+
+def says_the_row(tokenizer: Any, before_first: Callable[[], None] | None = None) -> Any:
+    """A policy answering each context with its row number; calls ``before_first`` once."""
+    pending = [before_first] if before_first else []
+
+    def generate(contexts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+        while pending:
+            pending.pop()()
+        out = []
+        for context in contexts:
+            row = re.findall(r"[Ss]ay (\d+)\.", tokenizer.decode(context))[-1]
+            ids = [*tokenizer.encode(row, add_special_tokens=False), EOS]
+            out.append((ids, [-0.5] * len(ids)))
+        return out
+
+    return generate
+
+
+def test_a_collector_over_two_hosts_collects_full_groups(
+    two_hosts: HostedHarnessFactory, tokenizer: Any
+) -> None:
+    collector = RolloutCollector(two_hosts, batch_size=2, group_size=4, base_seed=0)
+    batch = collector.collect(says_the_row(tokenizer))
+    assert batch.failed == 0
+    assert [t.group for t in batch.trajectories] == [0, 0, 0, 0, 1, 1, 1, 1]
+    for group in batch.groups():
+        assert len({t.task for t in group}) == 1
+    assert [t.reward for t in batch.trajectories] == [2.0] * 8  # right on both turns
+    served_by = Counter(t.episode.info["host"] for t in batch.trajectories)
+    assert served_by == {0: 4, 1: 4}  # least-loaded: the sessions fill both hosts evenly
+    assert [s.sessions for s in two_hosts.pool.status()] == [4, 4]
+    collector.close()
+    assert [s.sessions for s in two_hosts.pool.status()] == [0, 0]
+
+
+def test_a_killed_host_fails_only_its_episodes_and_the_next_collection_recovers(
+    two_hosts: HostedHarnessFactory, tokenizer: Any
+) -> None:
+    pool = two_hosts.pool
+    collector = RolloutCollector(two_hosts, batch_size=2, group_size=4, base_seed=0)
+    first = collector.collect(says_the_row(tokenizer))
+    assert first.failed == 0
+    pids = {t.episode.info["host"]: t.episode.info["pid"] for t in first.trajectories}
+    old_pid, old_url = pids[0], pool.status()[0].info.url  # type: ignore[union-attr]
+
+    def kill_host_0() -> None:  # after every reset, before the first step
+        ray.kill(pool.actor(0), no_restart=False)
+        assert _wait_for(lambda: not _alive(old_pid))
+
+    second = collector.collect(says_the_row(tokenizer, before_first=kill_host_0))
+    failed = [t for t in second.trajectories if t.failed]
+    assert second.failed == 4
+    assert {t.episode.info["host"] for t in failed} == {0}
+    assert all(not t.failed for t in second.trajectories if t.episode.info["host"] == 1)
+    for trajectory in failed:
+        assert trajectory.episode.info["error"].startswith(
+            f"EnvHostError: env host 0 ({old_url}) "
+            "dropped the session during 'step'; the episode is over and the next reset "
+            "moves to a healthy host"
+        )
+    assert [t.reward for t in second.trajectories if not t.failed] == [2.0] * 4
+
+    third = collector.collect(says_the_row(tokenizer))  # waits for Ray to restart host 0
+    assert third.failed == 0
+    assert Counter(t.episode.info["host"] for t in third.trajectories) == {0: 4, 1: 4}
+    now = {t.episode.info["host"]: t.episode.info["pid"] for t in third.trajectories}
+    assert now[0] != old_pid  # a new process
+    assert now[1] == pids[1]  # the healthy host kept its sessions
+    assert [s.state for s in pool.status()] == [HostState.READY, HostState.READY]
+    collector.close()
+
+
+def test_a_dead_host_sends_new_sessions_to_the_healthy_one(ray_cluster: None) -> None:
+    config = HostConfig(entrypoint="host_envs:HostEnv", num_hosts=2, sessions_per_host=2, cpus=0.5)
+    with EnvHostPool(config) as pool:
+        first, second, third = (HostedEnvClient(pool) for _ in range(3))
+        reply = first.reset(row_index=1)
+        assert reply.metadata["host"] == 0
+        assert second.reset(row_index=2).metadata["host"] == 1
+        ray.kill(pool.actor(0), no_restart=True)  # restarts spent
+        assert _wait_for(lambda: not _alive(reply.metadata["pid"]))
+        with pytest.raises(EnvHostError, match=r"env host 0 \(.*\) dropped the session"):
+            first.step("1")
+        assert first.reset(row_index=1).metadata["host"] == 1
+        assert _wait_for(lambda: pool.status()[0].state is HostState.DEAD)
+        status = pool.status()
+        assert status[0].reason == "The actor is dead because it was killed by `ray.kill`."
+        assert status[1].sessions == 2
+        message = (
+            "every live env host serves its env_sessions_per_host=2 sessions (host 0 dead, "
+            "0/2 sessions: The actor is dead because it was killed by `ray.kill`.; host 1 "
+            "ready, 2/2 sessions); raise env_sessions_per_host or env_hosts so that they "
+            "cover the rollout slots (batch_size x group_size per rank)"
+        )
+        with pytest.raises(EnvCapacityError, match=re.escape(message)):
+            third.reset()
+        for client in (first, second, third):
+            client.close()
+
+
+def test_readiness_timeout_names_the_slow_host(ray_cluster: None, tokenizer: Any) -> None:
+    spec = LLMEnvSpec(
+        env_type="rollout",
+        entrypoint="host_envs:SlowStartEnv",
+        env_config={"slow_host": 1, "delay_s": 120},
+        env_hosts=2,
+        cpus_per_env_host=0.5,
+        env_host_ready_timeout_s=8,
+    )
+    message = (
+        "env_host_ready_timeout_s: env host 1 of 2 was not ready within 8.0 s. A host is "
+        "ready once Ray has placed it (each needs {'CPU': 0.5}; `ray status` shows what the "
+        "cluster has free), its env_services listen and it has built one env; give the "
+        "cluster room, or raise env_host_ready_timeout_s"
+    )
+    with pytest.raises(EnvBuildError, match=re.escape(message)):
+        make_rollout_env_factory(spec, tokenizer)
+
+
+def test_unplaceable_hosts_and_a_broken_env_fail_at_startup(
+    ray_cluster: None, tokenizer: Any
+) -> None:
+    spec = LLMEnvSpec(
+        env_type="rollout",
+        entrypoint="host_envs:HostEnv",
+        env_hosts=2,
+        cpus_per_env_host=0.5,
+        env_host_resource="gpu-sandbox",  # no node has it
+        env_host_ready_timeout_s=1,
+    )
+    with pytest.raises(
+        EnvBuildError,
+        match=re.escape(
+            "env hosts 0, 1 of 2 were not ready within 1.0 s. A host is ready once Ray has "
+            "placed it (each needs {'CPU': 0.5, 'gpu-sandbox': 1.0};"
+        ),
+    ):
+        make_rollout_env_factory(spec, tokenizer)
+    broken = LLMEnvSpec(
+        env_type="rollout", entrypoint="host_envs:BrokenEnv", env_hosts=1, cpus_per_env_host=0.5
+    )
+    with pytest.raises(
+        EnvBuildError,
+        match=re.escape("env host 0 of 1 failed to start: RuntimeError: this env needs a GPU"),
+    ):
+        make_rollout_env_factory(broken, tokenizer)
+
+
+def test_resources_env_vars_services_and_ports_reach_the_host(
+    ray_cluster: None, tokenizer: Any
+) -> None:
+    env_port, service_port = _free_port(), _free_port()
+    spec = LLMEnvSpec(
+        env_type="rollout",
+        entrypoint="host_envs:HostEnv",
+        env_config={"report_vars": ["MODE", HOST_INDEX_VAR], "service_port": service_port},
+        env_hosts=1,
+        env_sessions_per_host=2,
+        cpus_per_env_host=0.5,
+        env_host_memory_bytes=64 * 2**20,
+        env_host_resource="sandbox",
+        env_vars={"MODE": "fast"},
+        env_port=env_port,
+        env_session_ports={"vnc": 5900},
+        env_services=[
+            {
+                "name": "echo",
+                "command": [sys.executable, str(HERE / "host_envs.py"), str(service_port)],
+                "port": service_port,
+                "env_vars": {"SERVICE_NAME": "echo"},
+            }
+        ],
+    )
+    factory, _ = make_rollout_env_factory(spec, tokenizer)
+    assert isinstance(factory, HostedHarnessFactory)
+    try:
+        harnesses = [factory() for _ in range(3)]
+        infos = []
+        for harness in harnesses[:2]:
+            harness.reset(row_index=0)
+            infos.append(harness.info)
+        node_ip = factory.pool.status()[0].info.node_ip  # type: ignore[union-attr]
+        assert harnesses[0].client.url == f"ws://{node_ip}:{env_port}/ws"
+        for info in infos:
+            assert info["environ"] == {"MODE": "fast", HOST_INDEX_VAR: "0"}
+            assert info["resources"] == {"CPU": 0.5, "memory": 64.0 * 2**20, "sandbox": 1.0}
+            assert info["service"] == "fast echo"  # the host's variables, then its own
+        assert sorted(i["session_ports"]["vnc"] for i in infos) == [5900, 5901]
+        with pytest.raises(EnvCapacityError, match="serves its env_sessions_per_host=2"):
+            harnesses[2].reset(row_index=0)
+        stranger = RemoteEnvClient(harnesses[0].client.url)  # hosts bind every interface
+        with pytest.raises(EnvAuthError, match=r"refused the session \(HTTP 403\)"):
+            stranger.reset()
+        ray.kill(factory.pool.actor(0), no_restart=True)  # services die with their host
+        assert _wait_for(lambda: not _accepts(service_port))
+    finally:
+        factory.close()
+
+
+def test_a_host_over_its_memory_limit_is_restarted(ray_cluster: None) -> None:
+    config = HostConfig(entrypoint="host_envs:HostEnv", cpus=0.5, memory_limit_bytes=400 * 2**20)
+    with EnvHostPool(config) as pool, HostedEnvClient(pool) as client:
+        old_pid = client.reset(row_index=3).metadata["pid"]
+
+        def grow_past_the_limit() -> None:
+            client.step("grow:500")  # the watchdog ends the host during or after this step
+            assert _wait_for(lambda: not _alive(old_pid))
+            client.step("3")
+
+        with pytest.raises(EnvHostError, match=r"env host 0 \(.*\) dropped the session"):
+            grow_past_the_limit()
+        assert not _alive(old_pid)
+        new_pid = client.reset(row_index=3).metadata["pid"]  # on the restarted host
+        assert new_pid != old_pid
+        assert pool.status()[0].state is HostState.READY
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0

@@ -43,7 +43,8 @@ def run_from_states(
     if multi and runner.restore_fn is None:
         raise EvaluationError(
             "env_factory is set but restore_fn is not: each fresh instance must be restored "
-            "to its state; pass restore_fn (e.g. agile_llmenvs.core.replay.replay_restore)"
+            "to its state; pass restore_fn (agile_llmenvs.core.replay.replay_restore for a "
+            "deterministic env, terminal_restore for the terminal env)"
         )
     if not env.spec.pure_step and not multi:
         _check_distinct_episodes(env, states)

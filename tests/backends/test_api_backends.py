@@ -284,3 +284,14 @@ def test_retry_after_forms() -> None:
     policy = RetryPolicy(initial_backoff_s=0.5, multiplier=2.0, max_backoff_s=3.0, jitter=0.0)
     assert [policy.delay(n, None) for n in range(4)] == [0.5, 1.0, 2.0, 3.0]
     assert policy.delay(0, 7.0) == 7.0
+
+
+def test_requests_run_on_uvloop_when_it_is_installed(server: ChatAPIServer) -> None:
+    uvloop = pytest.importorskip("uvloop")
+    backend = OpenAIBackend("m", base_url=server.openai_url, api_key="k")
+    try:
+        asked = [{"role": "user", "content": "Say the digit 3."}]
+        assert backend.generate_chat(asked, SamplingParams(max_tokens=4)).text == "3"
+        assert isinstance(backend._loop._loop, uvloop.Loop)
+    finally:
+        backend.close()

@@ -16,9 +16,11 @@ from agile_llmenvs.specs.llm import LLMEnvSpec
 
 __all__ = [
     "EnvSpec",
+    "LoRASpec",
     "ModelSpec",
     "RunManifest",
     "TrainingSpec",
+    "VLLMGenerationSpec",
     "dump_manifest",
     "load_manifest",
     "manifest_json_schema",
@@ -66,6 +68,52 @@ class ModelSpec(BaseModel):
     )
 
 
+# Every linear layer of a Qwen2 / Llama decoder block: LoRA's usual targets.
+_DECODER_LINEAR_LAYERS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+class LoRASpec(BaseModel):
+    """Low-rank adapters (``peft``) on the policy: only the adapters train, and the base model
+    with the adapters switched off is the reference (no second copy)."""
+
+    model_config = SPEC_CONFIG
+
+    r: int = Field(8, ge=1, description="Rank of each adapter.")
+    alpha: float = Field(16.0, gt=0.0, description="Scale: the update is alpha / r * B A.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(_DECODER_LINEAR_LAYERS),
+        min_length=1,
+        description="Names of the linear layers to adapt (default: every linear layer of a "
+        "Qwen2 / Llama decoder block).",
+    )
+
+
+class VLLMGenerationSpec(BaseModel):
+    """How a GRPO run's vLLM engine starts (``generation_backend: vllm``)."""
+
+    model_config = SPEC_CONFIG
+
+    gpu_memory_utilization: float = Field(
+        0.3,
+        gt=0.0,
+        le=1.0,
+        description="Share of GPU memory for the engine's weights and KV cache; the rest is "
+        "the trainer's.",
+    )
+    enforce_eager: bool = Field(
+        False, description="Skip graph capture: a faster start, slower generation."
+    )
+
+
 class TrainingSpec(BaseModel):
     """Settings shared by the training loops; each algorithm adds its own in its module."""
 
@@ -104,6 +152,33 @@ class TrainingSpec(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient norm clip.")
     save_every: int = Field(0, ge=0, description="Steps between checkpoints (0: only at the end).")
     log_every: int = Field(1, ge=1, description="Steps between progress-bar updates.")
+    tensorboard: bool | None = Field(
+        None,
+        description="Also write every metric as a TensorBoard scalar to "
+        "`output_dir/tensorboard/` (unset: when tensorboard is installed; true: require it).",
+    )
+    lora: LoRASpec | None = Field(
+        None, description="Train LoRA adapters instead of every weight (needs `peft`)."
+    )
+    generation_backend: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="GRPO: what samples the rollouts: `hf` (transformers generate on the "
+        "policy itself) or `vllm` (an engine whose weights follow the policy's each step).",
+    )
+    vllm: VLLMGenerationSpec | None = Field(
+        None, description="Engine settings for `generation_backend: vllm` (unset: defaults)."
+    )
+
+    @model_validator(mode="after")
+    def _check_generation(self) -> TrainingSpec:
+        if self.generation_backend == "vllm" and self.algorithm != "grpo":
+            raise fail(
+                "generation_backend",
+                f"'vllm' generates GRPO rollouts; {self.algorithm!r} does not generate",
+            )
+        if self.vllm is not None and self.generation_backend != "vllm":
+            raise fail("vllm", "engine settings need `generation_backend: vllm`")
+        return self
 
 
 class RunManifest(BaseModel):

@@ -7,8 +7,9 @@ Each loop takes a :class:`~agile_llmenvs.specs.RunManifest` (its ``training`` se
 
 from __future__ import annotations
 
+from agile_llmenvs.errors import CheckpointError
 from agile_llmenvs.specs import TrainingSpec
-from agile_llmenvs.training.common import CheckpointError, TrainResult
+from agile_llmenvs.training.common import TrainResult
 from agile_llmenvs.training.dpo import train_dpo
 from agile_llmenvs.training.grpo import PolicyBatch, train_grpo
 from agile_llmenvs.training.sft import train_sft

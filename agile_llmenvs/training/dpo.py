@@ -1,5 +1,5 @@
-"""Direct preference optimisation: prefer each row's chosen response, measured against a frozen
-copy of the starting model."""
+"""Direct preference optimisation: prefer each row's chosen response, measured against the
+starting model (a frozen copy, or a LoRA policy's base with its adapters off)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from agile_llmenvs.specs import RunManifest
-from agile_llmenvs.training.common import TrainResult, frozen_copy, training_spec
+from agile_llmenvs.training.common import TrainResult, reference_model, training_spec
 from agile_llmenvs.training.losses import dpo_loss, sequence_logps
 from agile_llmenvs.training.supervised import LossFn, train_on_dataset
 
@@ -33,7 +33,7 @@ def train_dpo(manifest: RunManifest, *, resume: bool = False) -> TrainResult:
     beta = DEFAULT_DPO_BETA if beta is None else beta
 
     def make_loss(model: Any, accelerator: Any) -> LossFn:
-        return _DPOLoss(frozen_copy(model, accelerator.device), beta)
+        return _DPOLoss(reference_model(model, accelerator.device), beta)
 
     return train_on_dataset(
         manifest, resume=resume, name="dpo", metric_keys=DPO_METRICS, make_loss=make_loss

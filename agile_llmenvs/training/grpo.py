@@ -1,37 +1,38 @@
 """GRPO on a rollout env: sample groups, score them, and push up what beat its group.
 
 One step: the collector plays ``batch_size`` groups of ``group_size`` episodes with the
-current policy (an :class:`HFBackend` over the unwrapped model, no grad); each episode's
-advantage is its reward minus its group's mean (optionally over the group's std); the loss is
-PPO's clipped importance-ratio surrogate against the sampler's own log-probs, averaged over
-every sampled token, plus ``beta`` times a k3 KL to a frozen reference when ``beta > 0``.
+current policy (an :class:`HFBackend` over the unwrapped model, no grad; or a vLLM engine
+given the policy's weights after every step); each episode's advantage is its reward minus
+its group's mean (optionally over the group's std); the loss is PPO's clipped
+importance-ratio surrogate against the sampler's own log-probs, averaged over every sampled
+token, plus ``beta`` times a k3 KL to the starting policy when ``beta > 0``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
-import math
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from agile_llmenvs.backends.hf import HFBackend
-from agile_llmenvs.backends.types import SamplingParams
+from agile_llmenvs.backends.types import Generation, SamplingParams
 from agile_llmenvs.llm_envs.collector import RolloutCollector
 from agile_llmenvs.llm_envs.trajectory import RolloutBatch
 from agile_llmenvs.specs import LLMEnvSpec, RunManifest, TrainingSpec
+from agile_llmenvs.specs.manifest import VLLMGenerationSpec
+from agile_llmenvs.training.checkpoint import load_checkpoint, save_checkpoint
 from agile_llmenvs.training.common import (
-    MetricsWriter,
     TrainResult,
-    frozen_copy,
-    load_checkpoint,
-    plot_metrics,
     prepare_policy,
-    save_checkpoint,
+    reference_model,
     training_spec,
 )
 from agile_llmenvs.training.losses import (
@@ -40,6 +41,8 @@ from agile_llmenvs.training.losses import (
     group_advantages,
     token_logps,
 )
+from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
+from agile_llmenvs.training.vllm_engine import PolicyVLLMEngine
 
 __all__ = ["GRPO_METRICS", "PolicyBatch", "build_policy_batch", "train_grpo"]
 
@@ -60,6 +63,7 @@ GRPO_METRICS = (
     "gen_time_s",
     "env_time_s",
     "learn_time_s",
+    "weight_sync_time_s",
 )
 
 
@@ -93,35 +97,45 @@ def build_policy_batch(rollout: RolloutBatch, advantages: torch.Tensor, pad_id: 
     An episode restarted into several samples gives several rows sharing one advantage; a
     failed episode gives none.
     """
-    rows = [
-        (sample, float(advantage))
-        for trajectory, advantage in zip(rollout.trajectories, advantages.tolist(), strict=True)
-        for sample in trajectory.episode.samples
-    ]
-    width = max((len(sample.token_ids) for sample, _ in rows), default=2)
-    # one tensor per field, from padded lists: a tensor per row costs ~45 µs each
-    ids, attention, actions, logps = [], [], [], []
-    for sample, _ in rows:
-        pad = width - len(sample.token_ids)
-        ids.append([*sample.token_ids, *[pad_id] * pad])
-        attention.append([1] * len(sample.token_ids) + [0] * pad)
-        actions.append([*sample.action_mask, *[False] * pad])
-        aligned = [0.0 if math.isnan(x) else x for x in sample.aligned_logps()]
-        logps.append(aligned + [0.0] * pad)
-    shape = (len(rows), width)
-    input_ids = torch.tensor(ids, dtype=torch.long).reshape(shape)
-    attention_mask = torch.tensor(attention, dtype=torch.long).reshape(shape)
-    action_mask = torch.tensor(actions, dtype=torch.bool).reshape(len(rows), width - 1)
-    sampling_logps = torch.tensor(logps, dtype=torch.float32).reshape(len(rows), width - 1)
-    advantages_B = torch.tensor([advantage for _, advantage in rows], dtype=torch.float32)
+    samples, row_advantages = [], []
+    for trajectory, advantage in zip(rollout.trajectories, advantages.tolist(), strict=True):
+        for sample in trajectory.episode.samples:
+            samples.append(sample)
+            row_advantages.append(advantage)
+    rows = len(samples)
+    width = max((len(sample.token_ids) for sample in samples), default=2)
+    padded = [(sample, width - len(sample.token_ids)) for sample in samples]
+    # flat numpy buffers: torch.tensor on Python lists costs ~4x as much
+    ids = _flat(((*s.token_ids, *(pad_id,) * pad) for s, pad in padded), np.int64)
+    actions = _flat(((*s.action_mask, *(False,) * pad) for s, pad in padded), np.bool_)
+    sampled = _flat((sample.sampling_logps for sample in samples), np.float32)
+    input_ids = torch.from_numpy(ids).view(rows, width)
+    action_mask = torch.from_numpy(actions).view(rows, width - 1)
+    lengths = torch.tensor([len(sample.token_ids) for sample in samples])
+    attention_mask = (torch.arange(width) < lengths[:, None]).long()
+    sampling_logps = torch.zeros(rows, width - 1)
+    # each row's sampled tokens, in order, are its mask's True positions, rows in order
+    sampling_logps[action_mask] = torch.from_numpy(sampled).nan_to_num(nan=0.0)
+    advantages_B = torch.tensor(row_advantages, dtype=torch.float32)
     return PolicyBatch(input_ids, attention_mask, action_mask, sampling_logps, advantages_B)
+
+
+def _flat(rows: Iterable[Iterable[Any]], dtype: type) -> np.ndarray:
+    """The rows' values, concatenated, as one numpy array."""
+    return np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype)
+
+
+class _Generator(Protocol):
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Generation]: ...
 
 
 @dataclass
 class _Sampler:
     """The collector's policy: one batched generate per turn, timed, seeded per call."""
 
-    backend: HFBackend
+    backend: _Generator
     params: SamplingParams
     seconds: float = 0.0
     calls: int = 0
@@ -149,6 +163,13 @@ class _Run:
     collector: RolloutCollector
     sampler: _Sampler
     start_step: int
+    engine: PolicyVLLMEngine | None = None
+
+    def close(self) -> None:
+        """Release the env slots and the vLLM engine."""
+        self.collector.close()
+        if self.engine is not None:
+            self.engine.close()
 
 
 def train_grpo(manifest: RunManifest, *, resume: bool = False) -> TrainResult:
@@ -164,56 +185,92 @@ def train_grpo(manifest: RunManifest, *, resume: bool = False) -> TrainResult:
 
     Raises:
         CheckpointError: ``resume`` without a checkpoint in ``output_dir``.
+        OptionalDependencyError: ``training.lora`` without ``peft``, or
+            ``generation_backend: vllm`` without ``vllm``.
     """
-    from tqdm import tqdm
-
     config = training_spec(manifest)
     output_dir = Path(config.output_dir)
     run = _setup(manifest, output_dir, resume)
-    main = run.accelerator.is_main_process
-    writer = (
-        MetricsWriter(output_dir / "metrics.csv", GRPO_METRICS, append=resume) if main else None
-    )
-    history: list[dict[str, float]] = []
-    steps = range(run.start_step, config.max_steps)
-    progress = tqdm(
-        steps, initial=run.start_step, total=config.max_steps, desc="grpo", disable=not main
-    )
-    for step in progress:
-        step_start = time.perf_counter()
-        # Sampling seeds follow the step, so a resumed run samples what the whole run would.
-        seed = (manifest.seed * 1_000_003 + step) * 4096 + run.accelerator.process_index * 64
-        rollout, rewards_GN = _collect(run, config, seed)
-        collect_time = time.perf_counter() - step_start
-        advantages_GN = group_advantages(rewards_GN, scale=config.scale_advantages)
-        pad_id = run.tokenizer.pad_token_id or 0
-        batch = build_policy_batch(rollout, advantages_GN.flatten(), pad_id)
-        learn_start = time.perf_counter()
-        losses = _learn(run, config, batch.to(run.accelerator.device))
-        timings = {
-            "gen_time_s": run.sampler.seconds,
-            "env_time_s": collect_time - run.sampler.seconds,
-            "learn_time_s": time.perf_counter() - learn_start,
-            "step_time_s": time.perf_counter() - step_start,
-        }
-        row = _step_row(run, step + 1, rollout, rewards_GN, batch, {**losses, **timings})
-        history.append(row)
-        if writer is not None:
-            writer.write(row)
-        if (step + 1) % config.log_every == 0:
-            progress.set_postfix(reward=f"{row['reward_mean']:.3f}", loss=f"{row['loss']:.4f}")
-        if config.save_every and (step + 1) % config.save_every == 0:
-            _save(output_dir, step + 1, run)
-
-    checkpoint_dir = _save(output_dir, config.max_steps, run)
-    run.collector.close()
-    if main:
+    try:
+        history = _train(run, manifest, output_dir, resume)
+        checkpoint_dir = _save(output_dir, config.max_steps, run)
+    finally:
+        run.close()
+    if run.accelerator.is_main_process:
         plot_metrics(
             output_dir / "metrics.csv", output_dir / "metrics.png", ("reward_mean", "loss")
         )
     return TrainResult(
         output_dir, config.max_steps, history, output_dir / "metrics.csv", checkpoint_dir
     )
+
+
+def _train(
+    run: _Run, manifest: RunManifest, output_dir: Path, resume: bool
+) -> list[dict[str, float]]:
+    """Run the steps left, writing each one's metrics and the periodic checkpoints."""
+    from tqdm import tqdm
+
+    config = training_spec(manifest)
+    main = run.accelerator.is_main_process
+    writer = None
+    if main:
+        writer = MetricsWriter(
+            output_dir / "metrics.csv",
+            GRPO_METRICS,
+            resume_step=run.start_step if resume else None,
+            tensorboard=config.tensorboard,
+        )
+    history: list[dict[str, float]] = []
+    steps = range(run.start_step, config.max_steps)
+    progress = tqdm(
+        steps, initial=run.start_step, total=config.max_steps, desc="grpo", disable=not main
+    )
+    try:
+        for step in progress:
+            # Sampling seeds follow the step, so a resumed run samples what the whole run would.
+            seed = (manifest.seed * 1_000_003 + step) * 4096 + run.accelerator.process_index * 64
+            row = _step(run, config, step + 1, seed)
+            history.append(row)
+            if writer is not None:
+                writer.write(row)
+            if (step + 1) % config.log_every == 0:
+                progress.set_postfix(reward=f"{row['reward_mean']:.3f}", loss=f"{row['loss']:.4f}")
+            if config.save_every and (step + 1) % config.save_every == 0:
+                _save(output_dir, step + 1, run)
+    finally:
+        if writer is not None:
+            writer.close()
+    return history
+
+
+def _step(run: _Run, config: TrainingSpec, step: int, seed: int) -> dict[str, float]:
+    """One GRPO step: collect, score, learn, and (vLLM) send the new weights to the engine.
+
+    ``env_time_s`` is everything but generation, learning and the weight sync: the envs,
+    the harness, the collector, advantages and batch building.
+    """
+    step_start = time.perf_counter()
+    rollout, rewards_GN = _collect(run, config, seed)
+    advantages_GN = group_advantages(rewards_GN, scale=config.scale_advantages)
+    pad_id = run.tokenizer.pad_token_id or 0
+    batch = build_policy_batch(rollout, advantages_GN.flatten(), pad_id)
+    learn_start = time.perf_counter()
+    losses = _learn(run, config, batch.to(run.accelerator.device))
+    learn_time = time.perf_counter() - learn_start
+    sync_start = time.perf_counter()
+    if run.engine is not None:
+        run.engine.load_weights(run.accelerator.unwrap_model(run.model))
+    sync_time = time.perf_counter() - sync_start
+    step_time = time.perf_counter() - step_start
+    timings = {
+        "gen_time_s": run.sampler.seconds,
+        "env_time_s": step_time - run.sampler.seconds - learn_time - sync_time,
+        "learn_time_s": learn_time,
+        "weight_sync_time_s": sync_time,
+        "step_time_s": step_time,
+    }
+    return _step_row(run, step, rollout, rewards_GN, batch, {**losses, **timings})
 
 
 def _step_row(
@@ -242,23 +299,62 @@ def _step_row(
 
 
 def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
-    """Load the policy (and a reference when ``beta > 0``), the optimizer and the collector."""
+    """Load the policy (and a reference when ``beta > 0``), the optimizer, the vLLM engine
+    when asked for, and the collector; then the checkpoint when resuming."""
+    config = training_spec(manifest)
+    accelerator, model, optimizer, tokenizer = prepare_policy(manifest, config)
+    policy = accelerator.unwrap_model(model)
+    reference = reference_model(policy, accelerator.device) if config.beta else None
+    max_model_len = manifest.model.max_model_len or policy.config.max_position_embeddings
+    engine = None
+    if config.generation_backend == "vllm":
+        engine = PolicyVLLMEngine(
+            manifest,
+            config.vllm or VLLMGenerationSpec(),
+            max_model_len=max_model_len,
+            num_processes=accelerator.num_processes,
+        )
+    params = SamplingParams(max_tokens=config.max_new_tokens, temperature=config.temperature)
+    sampler = _Sampler(engine or HFBackend.from_model(policy, tokenizer), params)
+    collector = None
+    try:
+        collector = _make_collector(manifest, tokenizer, max_model_len, accelerator)
+        start_step = 0
+        if resume:
+            start_step, rank_state = load_checkpoint(
+                output_dir, accelerator=accelerator, model=model, optimizer=optimizer
+            )
+            collector.load_state_dict(rank_state["collector"])
+        if engine is not None:
+            engine.load_weights(policy)  # the checkpoint's, or the adapters merged in
+    except BaseException:
+        if collector is not None:
+            collector.close()
+        if engine is not None:
+            engine.close()
+        raise
+    return _Run(
+        accelerator, model, optimizer, tokenizer, reference, collector, sampler, start_step, engine
+    )
+
+
+def _make_collector(
+    manifest: RunManifest, tokenizer: Any, max_model_len: int, accelerator: Any
+) -> RolloutCollector:
+    """This rank's collector over the manifest's rollout env."""
     from agile_llmenvs.envs import make_rollout_env_factory
 
     config = training_spec(manifest)
     env_spec = manifest.env
     assert isinstance(env_spec, LLMEnvSpec)  # the manifest validator pairs grpo with rollout
-    accelerator, model, optimizer, tokenizer = prepare_policy(manifest, config)
-    policy = accelerator.unwrap_model(model)
-    reference = frozen_copy(policy, accelerator.device) if config.beta else None
     env_factory, _ = make_rollout_env_factory(
         env_spec,
         tokenizer,
-        max_model_len=manifest.model.max_model_len or policy.config.max_position_embeddings,
+        max_model_len=max_model_len,
         max_output_tokens=config.max_new_tokens,
         seed=manifest.seed,
     )
-    collector = RolloutCollector(
+    return RolloutCollector(
         env_factory,
         config.batch_size,
         config.group_size,
@@ -267,15 +363,6 @@ def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
         world_size=accelerator.num_processes,
         adaptive_task_sampling=env_spec.adaptive_task_sampling,
     )
-    start_step = 0
-    if resume:
-        start_step, rank_state = load_checkpoint(
-            output_dir, accelerator=accelerator, model=model, optimizer=optimizer
-        )
-        collector.load_state_dict(rank_state["collector"])
-    params = SamplingParams(max_tokens=config.max_new_tokens, temperature=config.temperature)
-    sampler = _Sampler(HFBackend.from_model(policy, tokenizer), params)
-    return _Run(accelerator, model, optimizer, tokenizer, reference, collector, sampler, start_step)
 
 
 def _collect(run: _Run, config: TrainingSpec, seed: int) -> tuple[RolloutBatch, torch.Tensor]:

@@ -10,15 +10,9 @@ from typing import Any
 import torch
 
 from agile_llmenvs.specs import LLMEnvSpec, RunManifest
-from agile_llmenvs.training.common import (
-    MetricsWriter,
-    TrainResult,
-    load_checkpoint,
-    plot_metrics,
-    prepare_policy,
-    save_checkpoint,
-    training_spec,
-)
+from agile_llmenvs.training.checkpoint import load_checkpoint, save_checkpoint
+from agile_llmenvs.training.common import TrainResult, prepare_policy, training_spec
+from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
 
 __all__ = ["LossFn", "train_on_dataset"]
 
@@ -69,7 +63,14 @@ def train_on_dataset(
         )
         env.load_state_dict(rank_state["env"])
     main = accelerator.is_main_process
-    writer = MetricsWriter(output_dir / "metrics.csv", metric_keys, append=resume) if main else None
+    writer = None
+    if main:
+        writer = MetricsWriter(
+            output_dir / "metrics.csv",
+            metric_keys,
+            resume_step=start_step if resume else None,
+            tensorboard=config.tensorboard,
+        )
 
     history: list[dict[str, float]] = []
     model.train()
@@ -95,6 +96,8 @@ def train_on_dataset(
     checkpoint_dir = _save(
         output_dir, config.max_steps, accelerator, model, optimizer, tokenizer, env
     )
+    if writer is not None:
+        writer.close()
     if main:
         plot_metrics(output_dir / "metrics.csv", output_dir / "metrics.png", ("loss",))
     return TrainResult(

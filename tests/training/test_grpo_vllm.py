@@ -1,0 +1,105 @@
+"""GRPO with rollouts from vLLM (``vllm`` marker; runs where vllm or vllm-cpu is installed).
+
+After every weight sync the engine must generate what the policy itself would: its greedy
+ids equal those of ``transformers`` on the policy, with the same log-probs. vllm-cpu needs a
+head size of at least 32, so the tiny model is built at hidden size 128; its engine needs
+``VLLM_CPU_KVCACHE_SPACE`` (GiB) and starts in about a minute here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+vllm = pytest.importorskip("vllm")
+
+from agile_llmenvs.backends import HFBackend, SamplingParams  # noqa: E402
+from agile_llmenvs.backends.types import Generation  # noqa: E402
+from agile_llmenvs.specs import ModelSpec, TrainingSpec, load_manifest  # noqa: E402
+from agile_llmenvs.tiny_model import build_tiny_model  # noqa: E402
+from agile_llmenvs.training import train_grpo  # noqa: E402
+from agile_llmenvs.training.vllm_engine import PolicyVLLMEngine  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("vllm-model") / "m", hidden_size=128)
+
+
+class _SyncChecks:
+    """After each real weight sync, greedy generations of the engine and of the policy."""
+
+    def __init__(self, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.pairs: list[tuple[list[Generation], list[Generation]]] = []
+        real = PolicyVLLMEngine.load_weights
+        reader = HFBackend(model_dir)
+        tokenizer = reader.tokenizer
+        questions = ("Say a digit.", "What is 2 + 3?", "Count to three.")
+        prompts = [reader.encode_chat([{"role": "user", "content": q}]) for q in questions]
+
+        def load_and_check(engine: PolicyVLLMEngine, policy: Any) -> None:
+            real(engine, policy)
+            training = policy.training
+            policy.eval()
+            ours = HFBackend.from_model(policy, tokenizer).generate(prompts, GREEDY)
+            self.pairs.append((engine.generate(prompts, GREEDY), ours))
+            policy.train(training)
+
+        monkeypatch.setattr(PolicyVLLMEngine, "load_weights", load_and_check)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_vllm_rollouts_follow_the_policy_weights(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lora: bool
+) -> None:
+    if lora:
+        pytest.importorskip("peft")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    checks = _SyncChecks(model_dir, monkeypatch)
+    manifest = load_manifest(HERE.parents[1] / "manifests" / "quickstart.yaml")
+    assert manifest.training is not None
+    training = {
+        **manifest.training.model_dump(exclude_unset=True),
+        "max_steps": 2,
+        "batch_size": 2,
+        "group_size": 4,
+        "max_new_tokens": 4,
+        "learning_rate": 0.05,
+        "output_dir": str(tmp_path / "run"),
+        "generation_backend": "vllm",
+        "vllm": {"enforce_eager": True},
+        **({"lora": {"r": 4, "alpha": 8}} if lora else {}),
+    }
+    env = {"rubric_file_path": str(HERE / "rubrics.py"), "rubric_name": "digit_share"}
+    manifest = manifest.model_copy(
+        update={
+            "model": ModelSpec(path=str(model_dir), max_model_len=512),
+            "env": manifest.env.model_copy(update=env),
+            "training": TrainingSpec.model_validate(training),
+        }
+    )
+    result = train_grpo(manifest)
+
+    assert [row["step"] for row in result.metrics] == [1.0, 2.0]
+    assert all(row["weight_sync_time_s"] > 0 for row in result.metrics)
+    assert len(checks.pairs) == 3  # at the start, then after each optimizer step
+    for engine_out, policy_out in checks.pairs:
+        assert [g.token_ids for g in engine_out] == [g.token_ids for g in policy_out]
+        for got, want in zip(engine_out, policy_out, strict=True):
+            assert got.logprobs == pytest.approx(want.logprobs, abs=2e-3)
+    # the steps changed the weights: the policy's own log-probs moved
+    first, last = checks.pairs[0][1], checks.pairs[-1][1]
+    moved = [
+        abs(a - b)
+        for before, after in zip(first, last, strict=True)
+        for a, b in zip(before.logprobs, after.logprobs, strict=False)
+    ]
+    assert max(moved) > 1e-2

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from agile_llmenvs.backends.local import LocalChatBackend
 from agile_llmenvs.backends.types import FinishReason, Generation, SamplingParams
 from agile_llmenvs.errors import OptionalDependencyError
+
+_SEED_STRIDE = 1 << 16  # requests per generate call, at most, with seeds of their own
 
 __all__ = ["VLLMBackend", "VLLMConfig"]
 
@@ -88,15 +90,24 @@ class VLLMBackend(LocalChatBackend):
 
         Returns:
             One :class:`Generation` per prompt, in order, with per-token log-probs.
+
+        With ``params.seed``, request ``i`` samples with its own seed derived from it (vLLM
+        seeds each request's sampler alone): the batch is reproducible, and identical prompts
+        in it (a GRPO group) still get different samples.
         """
         if not prompts:
             return []
         from vllm.inputs import TokensPrompt
 
+        if params.seed is None:
+            sampling: Any = self._sampling_params(params)
+        else:
+            sampling = [
+                self._sampling_params(replace(params, seed=params.seed * _SEED_STRIDE + i))
+                for i in range(len(prompts))
+            ]
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-            self._sampling_params(params),
-            use_tqdm=False,
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, use_tqdm=False
         )
         return [self._generation(out.outputs[0]) for out in outputs]
 

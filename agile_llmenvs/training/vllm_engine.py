@@ -11,7 +11,6 @@ collective transport instead.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from agile_llmenvs.backends.types import Generation, SamplingParams
@@ -74,24 +73,9 @@ class PolicyVLLMEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[Generation]:
-        """Sample one continuation per prompt in one engine call (ids and log-probs out).
-
-        With ``params.seed``, request ``i`` gets its own seed derived from it: vLLM seeds each
-        request's sampler alone, so one shared seed would give every member of a GRPO group
-        (one prompt) the same completion, and every advantage would be 0.
-        """
-        if params.seed is None or not prompts:
-            return self.backend.generate(prompts, params)
-        from vllm.inputs import TokensPrompt
-
-        per_request = [
-            self.backend._sampling_params(replace(params, seed=params.seed * _SEED_STRIDE + i))
-            for i in range(len(prompts))
-        ]
-        outputs = self.backend.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], per_request, use_tqdm=False
-        )
-        return [self.backend._generation(out.outputs[0]) for out in outputs]
+        """Sample one continuation per prompt in one engine call (ids and log-probs out);
+        a seeded batch gives each request its own seed (see ``VLLMBackend.generate``)."""
+        return self.backend.generate(prompts, params)
 
     def load_weights(self, policy: Any) -> None:
         """Copy ``policy``'s current weights into the engine; later generations use them."""

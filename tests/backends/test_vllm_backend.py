@@ -83,6 +83,17 @@ def test_sampled_ids_come_with_one_logprob_each(engine: VLLMBackend) -> None:
             assert g.token_ids[-1] == eos
 
 
+def test_a_seeded_batch_of_one_prompt_samples_apart_and_reproducibly(
+    engine: VLLMBackend,
+) -> None:
+    group = [engine.encode_chat(digit_messages(3)[0])] * 8  # one GRPO group: one prompt x 8
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=5)
+    first = [g.token_ids for g in engine.generate(group, params)]
+    again = [g.token_ids for g in engine.generate(group, params)]
+    assert first == again
+    assert len(set(first)) > 1
+
+
 def test_runner_makes_one_engine_call_per_step(
     engine: VLLMBackend, generate_calls: list[int]
 ) -> None:

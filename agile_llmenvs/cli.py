@@ -119,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     from agile_llmenvs.training.command import register as register_train
 
     register_train(commands)
+    from agile_llmenvs.bench_command import register as register_bench
+
+    register_bench(commands)
     return parser
 
 

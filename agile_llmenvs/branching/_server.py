@@ -192,7 +192,7 @@ def _portable(exc: BaseException) -> BaseException:
     return exc
 
 
-class _Forked(BaseException):  # noqa: N818 - a control-flow signal, not an error
+class _Forked(BaseException):
     """Raised in a freshly forked child to unwind it to :func:`serve`'s loop."""
 
     def __init__(self, sock: socket.socket, load_env: Callable[[], tuple[Any, Any]]) -> None:

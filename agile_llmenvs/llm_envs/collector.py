@@ -351,8 +351,8 @@ class RolloutCollector:
         Calls run concurrently on worker threads, which enforce the timeout. A hop to a worker
         costs more than a fast in-process env's whole turn, so an in-process env class that
         has shown its calls are fast runs inline instead (see
-        :class:`~agile_llmenvs.transport.calls.CallPolicy`); one slow inline call sends it
-        back to the threads.
+        :class:`~agile_llmenvs.transport.calls.CallPolicy`); a few slow inline calls in a row
+        send it back to the threads.
         """
         inline = {i: c for i, c in calls.items() if self._calls.inline(self._env_class(i))}
         futures: dict[int, Future[Any]] = {

@@ -27,6 +27,8 @@ _THINK = "<think>scratch</think>answer"
 _SHARED: weakref.WeakKeyDictionary[Any, dict[tuple[str, str, bool], dict[str, Any]]] = (
     weakref.WeakKeyDictionary()
 )
+#: First-prompt texts whose ids a framer remembers (cleared when full).
+_PROMPT_MEMO_SIZE = 4096
 _CHATML = ("<|im_end|>\n", "<|im_start|>{role}\n", "<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -111,6 +113,17 @@ class ChatFramer:
             return list(self._backend.encode(text, add_special_tokens=False).ids)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def _encode_remembered(self, text: str) -> tuple[int, ...]:
+        """``encode(text)``, remembered across the run's harnesses: the members of a GRPO
+        group reset to the same prompt, so only the first of them tokenizes it."""
+        memo: dict[str, tuple[int, ...]] = self._cache.setdefault("prompt_texts", {})
+        ids = memo.get(text)
+        if ids is None:
+            if len(memo) >= _PROMPT_MEMO_SIZE:
+                memo.clear()
+            ids = memo[text] = tuple(self.encode(text))
+        return ids
+
     def prompt(self, messages: Sequence[Message]) -> list[int]:
         """The ids of ``messages`` followed by the generation prompt."""
         if not self.use_template:
@@ -121,7 +134,7 @@ class ChatFramer:
                 return apply_chat_template(self.tokenizer, messages, **self.kwargs)
             ids = list(pieces[0])
             for message, piece in zip(messages, pieces[1:], strict=True):
-                ids += self.encode(str(message["content"]))
+                ids += self._encode_remembered(str(message["content"]))
                 ids += piece
             return ids
         self._fallback("it has no chat template")

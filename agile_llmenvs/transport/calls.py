@@ -2,9 +2,11 @@
 
 A hop to a worker thread costs 70-120 µs per call on these machines — more than the rest of
 the server's work for a step. In ``auto`` mode each env class starts in the pool; once it has
-shown :data:`WARMUP_CALLS` calls under ``inline_budget_s`` it runs inline, and the first
-inline call over ``demote_after_s`` sends that class back to the pool for good, so a slow env
-stalls the loop (and every other session's replies and pings) at most once, briefly.
+shown :data:`WARMUP_CALLS` calls under ``inline_budget_s`` it runs inline, and
+:data:`DEMOTE_STRIKES` inline calls in a row over ``demote_after_s`` send that class back to the
+pool for good: a slow env stalls the loop (and every other session's replies and pings) a few
+times at most, briefly, while one call that the OS merely descheduled on a loaded machine does
+not cost a fast env its inline calls.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-__all__ = ["WARMUP_CALLS", "CallMode", "CallPolicy"]
+__all__ = ["DEMOTE_STRIKES", "WARMUP_CALLS", "CallMode", "CallPolicy"]
 
 logger = logging.getLogger(__name__)
 
 CallMode = Literal["auto", "thread", "inline"]
 #: Fast calls an env class must show in the pool before it runs inline.
 WARMUP_CALLS = 32
+#: Slow inline calls in a row that send an env class back to the pool for good.
+DEMOTE_STRIKES = 3
 
 
 class CallPolicy:
@@ -27,7 +31,8 @@ class CallPolicy:
     Args:
         mode: ``auto`` (adaptive, above), ``thread`` (always the pool) or ``inline`` (never).
         inline_budget_s: A call this fast counts towards running inline.
-        demote_after_s: An inline call this slow returns its class to the pool.
+        demote_after_s: :data:`DEMOTE_STRIKES` inline calls in a row this slow return their
+            class to the pool.
     """
 
     def __init__(
@@ -37,6 +42,7 @@ class CallPolicy:
         self.inline_budget_s = inline_budget_s
         self.demote_after_s = demote_after_s
         self._fast_calls: dict[type, int] = {}
+        self._strikes: dict[type, int] = {}
         self._demoted: set[type] = set()
         self.always_threaded: set[type] = set()
 
@@ -55,12 +61,18 @@ class CallPolicy:
         if self.mode != "auto" or env_class in self._demoted:
             return
         if inline:
-            if seconds > self.demote_after_s:
+            if seconds <= self.demote_after_s:
+                self._strikes[env_class] = 0
+                return
+            strikes = self._strikes.get(env_class, 0) + 1
+            self._strikes[env_class] = strikes
+            if strikes >= DEMOTE_STRIKES:
                 self._demoted.add(env_class)
                 logger.info(
-                    "%s: a %.1f ms call; its calls now run in the thread pool",
+                    "%s: %d calls in a row over %.1f ms; its calls now run in the thread pool",
                     env_class.__name__,
-                    seconds * 1e3,
+                    strikes,
+                    self.demote_after_s * 1e3,
                 )
         elif seconds <= self.inline_budget_s:
             self._fast_calls[env_class] = self._fast_calls.get(env_class, 0) + 1

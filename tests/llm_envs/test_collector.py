@@ -211,8 +211,8 @@ def test_batch_must_split_across_ranks(tokenizer: Any) -> None:
     assert (two_ranks.groups, two_ranks.num_slots) == (2, 6)
 
 
-def test_fast_in_process_envs_run_inline_until_one_call_is_slow(tokenizer: Any) -> None:
-    from agile_llmenvs.transport.calls import WARMUP_CALLS
+def test_fast_in_process_envs_run_inline_until_calls_are_slow_in_a_row(tokenizer: Any) -> None:
+    from agile_llmenvs.transport.calls import DEMOTE_STRIKES, WARMUP_CALLS
 
     collect = collector(tokenizer, batch=1, group=1, turns=1000)
     policy = collect._calls
@@ -221,6 +221,16 @@ def test_fast_in_process_envs_run_inline_until_one_call_is_slow(tokenizer: Any) 
     for _ in range(WARMUP_CALLS + 1):
         collect.step({0: [5, EOS]})
     assert policy.inline(RowEnv)
-    collect._slots[0].harness.client.env.inner.hang_s = 0.02  # type: ignore[union-attr]
-    collect.step({0: [*tokenizer.encode("hang", add_special_tokens=False), EOS]})
-    assert not policy.inline(RowEnv)  # one slow inline call: back to the threads for good
+    env = collect._slots[0].harness.client.env.inner  # type: ignore[union-attr]
+    hang = [*tokenizer.encode("hang", add_special_tokens=False), EOS]
+    env.hang_s = 0.02
+    for _ in range(DEMOTE_STRIKES - 1):
+        collect.step({0: hang})
+    env.hang_s = 0.0
+    collect.step({0: [5, EOS]})  # a fast call between: the slow ones were a fluke
+    env.hang_s = 0.02
+    for _ in range(DEMOTE_STRIKES - 1):
+        collect.step({0: hang})
+    assert policy.inline(RowEnv)
+    collect.step({0: hang})
+    assert not policy.inline(RowEnv)  # slow calls in a row: back to the threads for good

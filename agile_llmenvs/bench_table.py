@@ -1,0 +1,270 @@
+"""Benchmark results as the Markdown table ``docs/performance.md`` includes.
+
+Each script in ``bench/`` prints one JSON object as its last line. :data:`FIGURES` says which
+entries of that object are the figures worth a row, with their label, unit and target; a
+script it does not know gets one row per top-level number, without a target. Rendering is
+pure, so the table's exact text is pinned by tests on fake results.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from agile_llmenvs.errors import BenchError
+
+__all__ = [
+    "FIGURES",
+    "Figure",
+    "Row",
+    "ScriptResult",
+    "Target",
+    "parse_result_line",
+    "render_table",
+    "rows_for",
+]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A bound a figure should meet, such as ``<= 2``."""
+
+    op: Literal["<=", ">="]
+    bound: float
+
+    def met(self, value: float) -> bool:
+        """Whether ``value`` is within the bound."""
+        return value <= self.bound if self.op == "<=" else value >= self.bound
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One row of the table, read from a script's JSON result.
+
+    Attributes:
+        key: Dotted path of the value in the JSON object (``"ours.p50_us"``).
+        label: What the figure measures, in words.
+        unit: Appended to the value and the target (``"x"`` for ratios).
+        target: The bound to meet; ``None`` for a figure shown for reference.
+        detail: Shown after the value in brackets; ``{dotted.key}`` fields are filled
+            from the same JSON object.
+    """
+
+    key: str
+    label: str
+    unit: str = "x"
+    target: Target | None = None
+    detail: str = ""
+
+
+def _at_most(bound: float) -> Target:
+    return Target("<=", bound)
+
+
+def _at_least(bound: float) -> Target:
+    return Target(">=", bound)
+
+
+_HARNESS = "harness cost per turn over `tokenizer.encode` of the observation, turn"
+_API = "256 API requests at `max_concurrency=64`, 100 ms server latency, over the ideal 0.4 s"
+_STEP = "GRPO step of the quick start (8 groups x 8, 8 tokens), median"
+
+FIGURES: dict[str, tuple[Figure, ...]] = {
+    "branching": (
+        Figure(
+            "fork_500mb_over_10mb",
+            "ProcessFork branch cost, a 500 MB env over a 10 MB one",
+            target=_at_most(2.0),
+            detail="{process_fork_branch_ms.500mb} ms vs {process_fork_branch_ms.10mb} ms",
+        ),
+        Figure(
+            "naive_fork_500mb_over_10mb",
+            "a bare `os.fork()` of a process holding the same memory, same measure (reference)",
+            detail="{naive_fork_ms.500mb} ms vs {naive_fork_ms.10mb} ms",
+        ),
+        Figure(
+            "children_left_after_1000_cycles",
+            "child processes left after 1,000 branch / release cycles",
+            unit="",
+            target=_at_most(0.0),
+        ),
+    ),
+    "remote_env": (
+        Figure(
+            "ours_p50_over_floor",
+            "remote env step, p50 latency over a raw `websockets` echo",
+            target=_at_most(2.0),
+            detail="{ours.p50_us} µs vs {floor.p50_us} µs",
+        ),
+        Figure(
+            "openenv_p50_over_floor",
+            "OpenEnv's own client and `create_app` server, same measure (reference)",
+            detail="{openenv.p50_us} µs",
+        ),
+        Figure(
+            "ours_over_openenv_steps_per_s_64",
+            "steps/s at 64 sessions, ours over OpenEnv's",
+            target=_at_least(2.0),
+            detail="{ours.steps_per_s_64} vs {openenv.steps_per_s_64}",
+        ),
+    ),
+    "harness_turn": (
+        Figure("turn_1_over_floor", f"{_HARNESS} 1", target=_at_most(1.5)),
+        Figure("turn_16_over_floor", f"{_HARNESS} 16", target=_at_most(1.5)),
+        Figure("turn_64_over_floor", f"{_HARNESS} 64", target=_at_most(1.5)),
+        Figure("turn_64_over_turn_1", "harness turn 64 over turn 1", target=_at_most(1.3)),
+    ),
+    "collector": (
+        Figure(
+            "collector_over_harness",
+            "collector cost per (slot x turn) over the harness's own, 512 slots x 4 turns",
+            target=_at_most(1.5),
+            detail="{collector_turn_us} µs vs {harness_turn_us} µs",
+        ),
+        Figure(
+            "draw_1000000_speedup",
+            "adaptive task draw at 1,000,000 rows, speed-up over `torch.multinomial`",
+            target=_at_least(50.0),
+            detail="{draw_1000000_tree_us} µs vs {draw_1000000_multinomial_us} µs",
+        ),
+        Figure("draw_1000_speedup", "adaptive task draw at 1,000 rows, same measure"),
+    ),
+    "eval_runner": (
+        Figure(
+            "runner_throughput_ratio",
+            "eval runner throughput over the HF backend's raw batched `generate`",
+            target=_at_least(0.8),
+        ),
+        Figure("api_openai_ratio", f"{_API}: OpenAI", target=_at_most(1.3)),
+        Figure("api_anthropic_ratio", f"{_API}: Anthropic", target=_at_most(1.3)),
+    ),
+    "train_step": (
+        Figure("gen_time_s", f"{_STEP} generation time", unit=" s"),
+        Figure("env_time_s", f"{_STEP} env and harness time", unit=" s"),
+        Figure("learn_time_s", f"{_STEP} learning time", unit=" s"),
+        Figure("step_time_s", f"{_STEP} step time", unit=" s"),
+    ),
+}
+"""The figures of each script in ``bench/``, by script name without ``.py``."""
+
+
+@dataclass(frozen=True)
+class ScriptResult:
+    """What one benchmark script produced: its JSON result, or why there is none."""
+
+    script: str
+    result: Mapping[str, Any] | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One rendered table row; ``met`` is ``None`` when the figure has no target."""
+
+    script: str
+    figure: str
+    value: str
+    target: str
+    met: bool | None
+
+
+def parse_result_line(stdout: str) -> dict[str, Any]:
+    """The JSON object on the last non-empty line of a script's output.
+
+    Raises:
+        BenchError: there is no output, or its last line is not a JSON object.
+    """
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        raise BenchError("printed nothing; a bench script must print its JSON result last")
+    try:
+        result = json.loads(lines[-1])
+    except json.JSONDecodeError as exc:
+        raise BenchError(f"last line is not JSON ({exc.msg}): {lines[-1][:80]!r}") from exc
+    if not isinstance(result, dict):
+        raise BenchError(f"last line is JSON but not an object: {lines[-1][:80]!r}")
+    return result
+
+
+def rows_for(script_result: ScriptResult) -> list[Row]:
+    """The table rows of one script: its known figures, or every top-level number."""
+    script = f"`bench/{script_result.script}`"
+    if script_result.result is None:
+        reason = script_result.error or "no result"
+        return [Row(script, "(script failed)", reason, "", False)]
+    result = script_result.result
+    name = script_result.script.removesuffix(".py")
+    figures = FIGURES.get(name) or tuple(
+        Figure(key, f"`{key}`", unit="")
+        for key, value in result.items()
+        if isinstance(value, int | float) and not isinstance(value, bool)
+    )
+    return [_row(script, figure, result) for figure in figures]
+
+
+def render_table(results: Iterable[ScriptResult], *, caption: str) -> str:
+    """The Markdown text: a caption, the table, and how many targets were met."""
+    rows = [row for result in results for row in rows_for(result)]
+    lines = [
+        "<!-- Generated by `agile-llmenvs bench`: do not edit by hand. -->",
+        "",
+        caption,
+        "",
+        "| script | figure | value | target | met? |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        met = "" if row.met is None else ("yes" if row.met else "**no**")
+        cells = (row.script, row.figure, row.value, row.target, met)
+        lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
+    judged = [row.met for row in rows if row.met is not None]
+    lines += ["", f"Targets met: {sum(judged)} of {len(judged)}."]
+    return "\n".join(lines) + "\n"
+
+
+def _row(script: str, figure: Figure, result: Mapping[str, Any]) -> Row:
+    target = "" if figure.target is None else _target_text(figure.target, figure.unit)
+    value = _lookup(result, figure.key)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return Row(script, figure.label, f"missing `{figure.key}`", target, False)
+    text = f"{_number(value)}{figure.unit}"
+    if figure.detail:
+        text += f" ({_fill(figure.detail, result)})"
+    met = None if figure.target is None else figure.target.met(float(value))
+    return Row(script, figure.label, text, target, met)
+
+
+def _target_text(target: Target, unit: str) -> str:
+    return f"{target.op} {_number(target.bound)}{unit}"
+
+
+def _lookup(result: Mapping[str, Any], dotted: str) -> Any:
+    value: Any = result
+    for part in dotted.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _fill(template: str, result: Mapping[str, Any]) -> str:
+    def one(match: re.Match[str]) -> str:
+        value = _lookup(result, match.group(1))
+        return _number(value) if isinstance(value, int | float) else "?"
+
+    return re.sub(r"\{([\w.]+)\}", one, template)
+
+
+def _number(value: float) -> str:
+    """Three significant digits, thousands separated, no exponent for the sizes seen here."""
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    text = f"{value:.3g}"
+    return text if "e" not in text else f"{value:.6f}".rstrip("0").rstrip(".")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")

@@ -18,8 +18,13 @@ if TYPE_CHECKING:
 __all__ = ["OpenEnvWrapper", "jsonable"]
 
 
+_PLAIN = frozenset({str, int, bool, type(None)})
+
+
 def jsonable(value: Any) -> Any:
     """``value`` with numpy scalars/arrays, tuples and sets turned into JSON types."""
+    if type(value) in _PLAIN:  # the common case, first: this runs on every env reply
+        return value
     if isinstance(value, Mapping):
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):

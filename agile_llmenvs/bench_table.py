@@ -142,6 +142,12 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         Figure("api_anthropic_ratio", f"{_API}: Anthropic", target=_at_most(1.3)),
     ),
     "train_step": (
+        Figure(
+            "overhead_ratio",
+            f"{_STEP}: share of the step that is neither generation nor learning",
+            unit="",
+            target=_at_most(0.10),
+        ),
         Figure("gen_time_s", f"{_STEP} generation time", unit=" s"),
         Figure("env_time_s", f"{_STEP} env and harness time", unit=" s"),
         Figure("learn_time_s", f"{_STEP} learning time", unit=" s"),

@@ -79,7 +79,10 @@ def _ours(port: int) -> None:
 if __name__ == "__main__":
     kind, port = sys.argv[1], _free_port()
     if kind == "floor":
-        asyncio.run(_echo(port))
+        from agile_llmenvs._loops import new_event_loop
+
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:  # uvloop, as ours uses
+            runner.run(_echo(port))
     elif kind == "openenv":
         _openenv(port)
     else:

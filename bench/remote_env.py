@@ -150,8 +150,11 @@ def run_throughput(kind: str, url: str, sessions: int, seconds: float) -> float:
         from agile_llmenvs.transport.session_loop import SESSION_LOOP
 
         return SESSION_LOOP.run(throughput_ours(url, sessions, seconds))
+    from agile_llmenvs._loops import new_event_loop
+
     runner = throughput_floor if kind == "floor" else throughput_openenv
-    return asyncio.run(runner(url, sessions, seconds))
+    with asyncio.Runner(loop_factory=new_event_loop) as loop:  # every side on the same loop
+        return loop.run(runner(url, sessions, seconds))
 
 
 def main() -> None:

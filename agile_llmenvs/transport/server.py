@@ -11,6 +11,7 @@ from typing import Any, TypeAlias
 
 from websockets.asyncio.server import serve
 
+from agile_llmenvs._loops import new_event_loop
 from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.transport._openenv import Environment
 from agile_llmenvs.transport.sessions import ServerSettings, SessionHost
@@ -138,7 +139,8 @@ class OpenEnvServer:
         self.close()
 
     def _run(self) -> None:
-        asyncio.run(self._serve())
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            runner.run(self._serve())
 
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from agile_llmenvs._loops import new_event_loop
 from agile_llmenvs.errors import EnvStateError
 
 __all__ = ["SESSION_LOOP", "SessionLoop"]
@@ -74,7 +75,7 @@ class SessionLoop:
         return self._thread is not None and self._thread.is_alive()
 
     def _start(self) -> None:
-        loop = asyncio.new_event_loop()
+        loop = new_event_loop()
         ready = threading.Event()
 
         def main() -> None:

@@ -241,11 +241,17 @@ class SessionHost:
             return await getattr(env, f"{method}_async")(*args, **kwargs)
         call = partial(getattr(env, method), *args, **kwargs)
         inline = self.calls.inline(env_class)
+        if inline:
+            return self._timed(env_class, call, inline=True)
+        timed = partial(self._timed, env_class, call, inline=False)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, timed)
+
+    def _timed(self, env_class: type, call: Callable[[], Any], *, inline: bool) -> Any:
+        """Run ``call`` and report its own duration (never the wait for a worker thread,
+        which grows with the number of sessions, not with the env's cost)."""
         start = time.perf_counter()
         try:
-            if inline:
-                return call()
-            return await asyncio.get_running_loop().run_in_executor(self.executor, call)
+            return call()
         finally:
             self.calls.record(env_class, time.perf_counter() - start, inline=inline)
 

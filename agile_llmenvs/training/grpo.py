@@ -166,10 +166,18 @@ class _Run:
     engine: PolicyVLLMEngine | None = None
 
     def close(self) -> None:
-        """Release the env slots and the vLLM engine."""
+        """Release the env slots, the env hosts behind them (if any), and the vLLM engine."""
         self.collector.close()
+        _close_factory(self.collector)
         if self.engine is not None:
             self.engine.close()
+
+
+def _close_factory(collector: RolloutCollector) -> None:
+    """Stop what the run's env factory holds (Ray env hosts have a ``close``)."""
+    close = getattr(collector.env_factory, "close", None)
+    if callable(close):
+        close()
 
 
 def train_grpo(manifest: RunManifest, *, resume: bool = False) -> TrainResult:
@@ -330,6 +338,7 @@ def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
     except BaseException:
         if collector is not None:
             collector.close()
+            _close_factory(collector)
         if engine is not None:
             engine.close()
         raise

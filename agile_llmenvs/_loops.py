@@ -7,12 +7,18 @@ uvloop cuts the CPU cost of each socket event by about a third here (an API requ
 from __future__ import annotations
 
 import asyncio
+import os
 
 __all__ = ["new_event_loop"]
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
-    """A new event loop: uvloop's when it is installed, else asyncio's default."""
+    """A new event loop: uvloop's when it is installed, else asyncio's default.
+
+    ``AGILE_LLMENVS_EVENT_LOOP=asyncio`` keeps asyncio's own loop even where uvloop is there.
+    """
+    if os.environ.get("AGILE_LLMENVS_EVENT_LOOP", "auto") == "asyncio":
+        return asyncio.new_event_loop()
     try:
         import uvloop
     except ImportError:

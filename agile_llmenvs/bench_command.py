@@ -3,12 +3,16 @@
 Each script runs in its own process (one at a time, so they do not compete for the CPU),
 with a progress line per script; its last stdout line is its JSON result. A script that
 fails, times out or prints no JSON becomes a failed row, and the others still run.
+
+The raw results are kept beside the table (``performance_table.json``), so ``--only`` can
+re-measure some scripts and keep the other rows from the previous run.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -16,6 +20,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from agile_llmenvs.bench_table import ScriptResult, parse_result_line, render_table
 from agile_llmenvs.errors import BenchError
@@ -34,8 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--only",
         nargs="+",
         metavar="NAME",
-        help="run only these scripts (file names, with or without .py); "
-        "the table then holds only their rows",
+        help="run only these scripts (file names, with or without .py); the other rows are "
+        "kept from the previous run's results (the table's .json file)",
     )
     parser.add_argument(
         "--output",
@@ -135,8 +140,38 @@ def run_bench_command(args: argparse.Namespace) -> int:
         outcome = "ok" if result.error is None else f"failed: {result.error}"
         print(f" {time.perf_counter() - start:.1f} s, {outcome}", flush=True)
         results.append(result)
-    text = render_table(results, caption=caption(datetime.date.today(), os.cpu_count(), load))
+    measured = caption(datetime.date.today(), os.cpu_count(), load)
+    store = args.output.with_suffix(".json")
+    runs = _previous_runs(store) if args.only else {}
+    runs.update(
+        {r.script: {"result": r.result, "error": r.error, "caption": measured} for r in results}
+    )
+    ran = {result.script for result in results}
+    kept = sorted(name for name in runs if name not in ran)
+    text = render_table(
+        [ScriptResult(name, runs[name]["result"], runs[name]["error"]) for name in sorted(runs)],
+        caption=measured + _kept_note(kept, runs),
+    )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text, encoding="utf-8")
+    store.write_text(json.dumps(runs, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     print(f"wrote {args.output}")
     return 0 if all(result.error is None for result in results) else 1
+
+
+def _previous_runs(store: Path) -> dict[str, dict[str, Any]]:
+    """The results of the last run, by script name (none when there is no readable file)."""
+    try:
+        runs = json.loads(store.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return runs if isinstance(runs, dict) else {}
+
+
+def _kept_note(kept: list[str], runs: dict[str, dict[str, Any]]) -> str:
+    """The caption's addition naming rows kept from an earlier run, and when that was."""
+    if not kept:
+        return ""
+    names = ", ".join(f"`bench/{name}`" for name in kept)
+    when = "; ".join(sorted({str(runs[name]["caption"]).removesuffix(".") for name in kept}))
+    return f" Rows of {names} are kept from an earlier run ({when})."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import subprocess
@@ -130,3 +131,26 @@ def test_bench_is_a_command_of_the_installed_entry_point(bench_dir: Path, tmp_pa
     )
     assert done.returncode == 0, done.stderr
     assert "| `bench/fast.py` | `ratio` | 1.25 |  |  |" in output.read_text().splitlines()
+
+
+def test_only_keeps_the_other_rows_from_the_previous_run(bench_dir: Path, tmp_path: Path) -> None:
+    output = tmp_path / "table.md"
+    assert main(["bench", "--bench-dir", str(bench_dir), "--output", str(output)]) == 1
+    (bench_dir / "fast.py").write_text("import json\nprint(json.dumps({'ratio': 1.5}))\n")
+    only = ["bench", "--bench-dir", str(bench_dir), "--only", "fast", "--output", str(output)]
+    assert main(only) == 0
+    table = output.read_text()
+    measured = table.splitlines()[2]
+    assert re.fullmatch(
+        r"Measured on .*when the run began\. Rows of `bench/broken\.py` are kept from an "
+        r"earlier run \(Measured on .*when the run began\)\.",
+        measured,
+    )
+    assert table.endswith(
+        "| `bench/broken.py` | (script failed) | exit status 1: broken on purpose |  | **no** |\n"
+        "| `bench/fast.py` | `ratio` | 1.5 |  |  |\n\n"
+        "Targets met: 0 of 1.\n"
+    )
+    stored = json.loads(output.with_suffix(".json").read_text())
+    assert sorted(stored) == ["broken.py", "fast.py"]
+    assert stored["fast.py"]["result"] == {"ratio": 1.5}

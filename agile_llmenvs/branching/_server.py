@@ -6,7 +6,7 @@ no env). A checkpoint of a local env ships the env to the zygote, which forks a 
 serving that copy; each branch is a fork of the holder, so every branch starts from the
 checkpoint's memory, shared copy-on-write. Every process serves one socket:
 
-- ``reset`` / ``step`` / ``release`` / ``spec``: the env's own calls;
+- ``reset`` / ``step`` / ``release``: the env's own calls;
 - ``fork`` (a socket follows): fork a copy of this process serving the new socket;
 - ``adopt`` (zygote only; a socket follows): fork a holder for a shipped env;
 - ``reap``: wait for a child whose socket the manager closed.
@@ -55,8 +55,6 @@ class _Process:
             return self.reap(pid)
         if self.env is None:
             raise BranchError(f"the zygote holds no env to {op!r}")
-        if op == "spec":
-            return self.env.spec
         if op == "reset":
             seed, options = args
             return self.env.reset(seed=seed, options=options)

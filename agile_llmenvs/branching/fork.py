@@ -137,6 +137,10 @@ class ForkedEnvironment(_Node):
 class _Zygote(_Node):
     """The fresh interpreter that receives checkpointed envs and forks their holders."""
 
+    def __init__(self, sock: socket.socket, process: subprocess.Popen[bytes]) -> None:
+        super().__init__(sock, process.pid, parent=None)
+        self.process = process
+
     @classmethod
     def start(cls) -> _Zygote:
         mine, theirs = socket.socketpair()
@@ -153,11 +157,7 @@ class _Zygote(_Node):
             start_new_session=True,
         )
         theirs.close()
-        zygote = cls(mine, process.pid, parent=None)
-        zygote.process = process
-        return zygote
-
-    process: subprocess.Popen[bytes]
+        return cls(mine, process)
 
     def adopt(self, payload: bytes) -> tuple[ForkedEnvironment, State]:
         sock, pid, (spec, state) = self.spawn("adopt", payload)

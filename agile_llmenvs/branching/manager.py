@@ -8,7 +8,7 @@ import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from agile_llmenvs.branching.checkpoint import BranchStrategy, Checkpoint, HeldCheckpoint
 from agile_llmenvs.branching.direct import DirectStrategy
@@ -20,7 +20,7 @@ from agile_llmenvs.errors import BranchError
 __all__ = ["BranchManager", "StrategyName", "resolve_strategy"]
 
 StrategyName = Literal["direct", "process_fork", "action_replay"]
-_STRATEGIES = ("direct", "process_fork", "action_replay")
+_STRATEGIES = get_args(StrategyName)
 
 _open_managers: weakref.WeakSet[BranchManager] = weakref.WeakSet()
 

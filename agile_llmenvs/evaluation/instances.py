@@ -21,6 +21,7 @@ from agile_llmenvs.evaluation.runner import (
     ProgressCounter,
     Rollout,
     chunked,
+    for_each,
     run_lockstep,
 )
 
@@ -138,11 +139,7 @@ def _force(
     if actions is None:
         return
     pairs = [(r, a) for r, a in zip(rollouts, actions, strict=True) if not r.finished]
-    if pool is None:
-        for rollout, action in pairs:
-            runner.act(rollout, action)
-    else:
-        list(pool.map(lambda pair: runner.act(*pair), pairs))
+    for_each(runner.act, pairs, pool)
 
 
 def _fail(rollout: Rollout, error: str) -> None:

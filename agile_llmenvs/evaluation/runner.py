@@ -25,6 +25,7 @@ __all__ = [
     "RunnerConfig",
     "TrajectoryRunner",
     "chunked",
+    "for_each",
     "run_lockstep",
 ]
 
@@ -321,6 +322,21 @@ def chunked(items: list[Any], batch_size: int | None) -> list[list[Any]]:
     return [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
 
 
+def _advance(rollout: Rollout, completion: Completion) -> None:
+    rollout.runner.advance(rollout, completion)
+
+
+def for_each(
+    call: Callable[..., Any], pairs: Sequence[tuple[Any, ...]], executor: Executor | None
+) -> None:
+    """``call(*pair)`` for every pair: in ``executor``'s threads when given, else in order."""
+    if executor is None:
+        for pair in pairs:
+            call(*pair)
+    else:
+        list(executor.map(lambda pair: call(*pair), pairs))
+
+
 def run_lockstep(
     rollouts: Sequence[Rollout],
     backend: Backend,
@@ -351,11 +367,7 @@ def run_lockstep(
                 f"of {len(batch)}; a backend must return one per conversation"
             )
         pairs = list(zip(live, completions, strict=True))
-        if executor is None:
-            for rollout, completion in pairs:
-                rollout.runner.advance(rollout, completion)
-        else:
-            list(executor.map(lambda pair: pair[0].runner.advance(*pair), pairs))
+        for_each(_advance, pairs, executor)
         for rollout in live:
             if rollout.finished and progress is not None:
                 progress.finished()

@@ -323,7 +323,9 @@ def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
             num_processes=accelerator.num_processes,
         )
     params = SamplingParams(max_tokens=config.max_new_tokens, temperature=config.temperature)
-    sampler = _Sampler(engine or HFBackend.from_model(policy, tokenizer), params)
+    sampler = _Sampler(
+        engine.backend if engine else HFBackend.from_model(policy, tokenizer), params
+    )
     collector = None
     try:
         collector = _make_collector(manifest, tokenizer, max_model_len, accelerator)

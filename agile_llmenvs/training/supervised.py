@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from agile_llmenvs.specs import LLMEnvSpec, RunManifest
+from agile_llmenvs.specs.manifest import TrainingSpec
 from agile_llmenvs.training.checkpoint import load_checkpoint, save_checkpoint
 from agile_llmenvs.training.common import TrainResult, prepare_policy, training_spec
 from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
@@ -40,22 +41,11 @@ def train_on_dataset(
     """
     from tqdm import tqdm
 
-    from agile_llmenvs.envs import make_llm_env
-
     config = training_spec(manifest)
-    assert isinstance(manifest.env, LLMEnvSpec)  # the manifest validator pairs sft/dpo with it
     output_dir = Path(config.output_dir)
     accelerator, model, optimizer, tokenizer = prepare_policy(manifest, config)
     loss_fn = make_loss(accelerator.unwrap_model(model), accelerator)
-    env = make_llm_env(
-        manifest.env,
-        tokenizer,
-        data_batch_size_per_gpu=config.batch_size,
-        max_context_length=manifest.model.max_model_len,
-        seed=manifest.seed,
-        rank=accelerator.process_index,
-        world_size=accelerator.num_processes,
-    )
+    env = _dataset_env(manifest, tokenizer, accelerator)
     start_step = 0
     if resume:
         start_step, rank_state = load_checkpoint(
@@ -65,10 +55,11 @@ def train_on_dataset(
     main = accelerator.is_main_process
     writer = None
     if main:
+        resume_step = start_step if resume else None
         writer = MetricsWriter(
             output_dir / "metrics.csv",
             metric_keys,
-            resume_step=start_step if resume else None,
+            resume_step=resume_step,
             tensorboard=config.tensorboard,
         )
 
@@ -79,13 +70,8 @@ def train_on_dataset(
         steps, initial=start_step, total=config.max_steps, desc=name, disable=not main
     ):
         step_start = time.perf_counter()
-        batch = env.next_batch().to(accelerator.device)
-        loss, extra = loss_fn(model, batch)
-        optimizer.zero_grad()
-        accelerator.backward(loss)
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-        optimizer.step()
-        row = {"step": float(step + 1), "loss": loss.item(), "grad_norm": float(grad_norm)}
+        loss, extra, grad_norm = _learn(env, accelerator, model, optimizer, loss_fn, config)
+        row = {"step": float(step + 1), "loss": loss, "grad_norm": grad_norm}
         row.update(extra, step_time_s=time.perf_counter() - step_start)
         history.append(row)
         if writer is not None:
@@ -102,6 +88,41 @@ def train_on_dataset(
         plot_metrics(output_dir / "metrics.csv", output_dir / "metrics.png", ("loss",))
     return TrainResult(
         output_dir, config.max_steps, history, output_dir / "metrics.csv", checkpoint_dir
+    )
+
+
+def _learn(
+    env: Any,
+    accelerator: Any,
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    config: TrainingSpec,
+) -> tuple[float, dict[str, float], float]:
+    """One optimizer step on the env's next batch: the loss, its extra metrics, the grad norm."""
+    batch = env.next_batch().to(accelerator.device)
+    loss, extra = loss_fn(model, batch)
+    optimizer.zero_grad()
+    accelerator.backward(loss)
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+    optimizer.step()
+    return loss.item(), extra, float(grad_norm)
+
+
+def _dataset_env(manifest: RunManifest, tokenizer: Any, accelerator: Any) -> Any:
+    """This rank's share of the manifest's dataset env, batched for the training spec."""
+    from agile_llmenvs.envs import make_llm_env
+
+    config = training_spec(manifest)
+    assert isinstance(manifest.env, LLMEnvSpec)  # the manifest validator pairs sft/dpo with it
+    return make_llm_env(
+        manifest.env,
+        tokenizer,
+        data_batch_size_per_gpu=config.batch_size,
+        max_context_length=manifest.model.max_model_len,
+        seed=manifest.seed,
+        rank=accelerator.process_index,
+        world_size=accelerator.num_processes,
     )
 
 

@@ -10,10 +10,8 @@ collective transport instead.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-from agile_llmenvs.backends.types import Generation, SamplingParams
 from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.specs import RunManifest
 from agile_llmenvs.specs.manifest import VLLMGenerationSpec
@@ -69,13 +67,6 @@ class PolicyVLLMEngine:
             extra=tuple(extra.items()),
         )
         self.backend = VLLMBackend(model.path or ensure_tiny_model(), config=config)
-
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> list[Generation]:
-        """Sample one continuation per prompt in one engine call (ids and log-probs out);
-        a seeded batch gives each request its own seed (see ``VLLMBackend.generate``)."""
-        return self.backend.generate(prompts, params)
 
     def load_weights(self, policy: Any) -> None:
         """Copy ``policy``'s current weights into the engine; later generations use them."""

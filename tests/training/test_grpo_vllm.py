@@ -50,7 +50,7 @@ class _SyncChecks:
             training = policy.training
             policy.eval()
             ours = HFBackend.from_model(policy, tokenizer).generate(prompts, GREEDY)
-            self.pairs.append((engine.generate(prompts, GREEDY), ours))
+            self.pairs.append((engine.backend.generate(prompts, GREEDY), ours))
             policy.train(training)
 
         monkeypatch.setattr(PolicyVLLMEngine, "load_weights", load_and_check)

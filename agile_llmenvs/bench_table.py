@@ -140,6 +140,15 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ),
         Figure("api_openai_ratio", f"{_API}: OpenAI", target=_at_most(1.3)),
         Figure("api_anthropic_ratio", f"{_API}: Anthropic", target=_at_most(1.3)),
+        Figure(
+            "api.openai_sdk_ratio",
+            "same batch, the `openai` SDK's own `post` under a bare semaphore (reference)",
+        ),
+        Figure(
+            "api.anthropic_sdk_ratio",
+            "same batch, the `anthropic` SDK's own `post` under a bare semaphore (reference)",
+        ),
+        Figure("api.aiohttp_ratio", "same batch, plain `aiohttp` without an SDK (reference)"),
     ),
     "train_step": (
         Figure(

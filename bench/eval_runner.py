@@ -5,7 +5,10 @@
   (pre-tokenised), same sampling. Figure: throughput ratio floor_s / runner_s (target >= 0.8).
 * ``api``: 256 chat requests through ``OpenAIBackend`` (and ``AnthropicBackend``) at
   ``max_concurrency=64`` against a local server (its own process) that answers after 100 ms.
-  The ideal is 256 / 64 x 0.1 s = 0.4 s. Figure: wall_s / 0.4 (target <= 1.3).
+  The ideal is 256 / 64 x 0.1 s = 0.4 s. Figure: wall_s / 0.4 (target <= 1.3). Two floors
+  run in the same rounds, on the same kind of event loop: each official SDK alone (its async
+  client and ``post`` under a bare semaphore, the SDK's aiohttp transport: what any caller
+  of the SDK pays) and plain ``aiohttp`` (what the transport alone costs).
 
 Rounds are interleaved; ratios use each side's best round (these shared 2-core machines
 drift from minute to minute), medians are reported beside them. Torch runs on one thread,
@@ -78,6 +81,56 @@ def bench_runner(tasks: int, max_tokens: int, rounds: int) -> dict[str, Any]:
     }
 
 
+def _floor_batch(kind: str, port: int, bodies: list[dict[str, Any]], concurrency: int) -> float:
+    """Wall seconds of one batch sent without the backend: ``kind`` is a floor's name."""
+    import asyncio
+
+    import aiohttp
+
+    from agile_llmenvs._loops import new_event_loop
+
+    async def batch() -> float:
+        semaphore = asyncio.Semaphore(concurrency)
+        if kind == "aiohttp":
+            session = aiohttp.ClientSession()
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+
+            async def one(body: dict[str, Any]) -> object:
+                async with semaphore, session.post(url, json=body) as response:
+                    return await response.json()
+
+            close = session.close
+        else:
+            import anthropic
+            import openai
+
+            sdk: Any = openai if kind == "openai_sdk" else anthropic
+            client_cls = sdk.AsyncOpenAI if sdk is openai else sdk.AsyncAnthropic
+            base = f"http://127.0.0.1:{port}" + ("/v1" if sdk is openai else "")
+            path = "/chat/completions" if sdk is openai else "/v1/messages"
+            client = client_cls(
+                api_key="x", base_url=base, max_retries=0, http_client=sdk.DefaultAioHttpClient()
+            )
+
+            async def one(body: dict[str, Any]) -> object:
+                async with semaphore:
+                    return await client.post(path, body=body, cast_to=object)
+
+            close = client.close
+        await asyncio.gather(*(one(b) for b in bodies[:concurrency]))  # connections opened
+        start = time.perf_counter()
+        await asyncio.gather(*(one(b) for b in bodies))
+        wall = time.perf_counter() - start
+        await close()
+        return wall
+
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(batch())
+    finally:
+        loop.close()
+
+
 def bench_api(requests: int, concurrency: int, latency: float, rounds: int) -> dict[str, Any]:
     from agile_llmenvs.backends import AnthropicBackend, OpenAIBackend, SamplingParams
 
@@ -98,7 +151,12 @@ def bench_api(requests: int, concurrency: int, latency: float, rounds: int) -> d
         }
         batch = [[{"role": "user", "content": f"Say the digit {i % 10}."}] for i in range(requests)]
         params = SamplingParams(max_tokens=4)
-        walls: dict[str, list[float]] = {name: [] for name in backends}
+        bodies = {
+            "openai_sdk": [backends["openai"].request_body(m, None, params) for m in batch],
+            "anthropic_sdk": [backends["anthropic"].request_body(m, None, params) for m in batch],
+        }
+        bodies["aiohttp"] = bodies["openai_sdk"]
+        walls: dict[str, list[float]] = {name: [] for name in [*backends, *bodies]}
         for backend in backends.values():
             backend.generate_chat_batch(batch, params)  # warm-up: connections opened
         for _ in range(rounds):
@@ -107,6 +165,8 @@ def bench_api(requests: int, concurrency: int, latency: float, rounds: int) -> d
                 completions = backend.generate_chat_batch(batch, params)
                 walls[name].append(time.perf_counter() - start)
                 assert all(c.finish_reason == "stop" for c in completions)
+            for name, floor_bodies in bodies.items():
+                walls[name].append(_floor_batch(name, port, floor_bodies, concurrency))
         for backend in backends.values():
             backend.close()
     finally:
@@ -118,6 +178,8 @@ def bench_api(requests: int, concurrency: int, latency: float, rounds: int) -> d
         out[f"{name}_best_s"] = round(min(times), 4)
         out[f"{name}_median_s"] = round(statistics.median(times), 4)
         out[f"{name}_ratio"] = round(min(times) / ideal, 3)
+    for name in backends:
+        out[f"{name}_over_sdk"] = round(min(walls[name]) / min(walls[f"{name}_sdk"]), 3)
     return out
 
 
@@ -138,6 +200,9 @@ def main() -> None:
         "api_openai_ratio": api["openai_ratio"],
         "api_anthropic_ratio": api["anthropic_ratio"],
         "api_target": "<= 1.3",
+        "api_openai_sdk_ratio": api["openai_sdk_ratio"],
+        "api_anthropic_sdk_ratio": api["anthropic_sdk_ratio"],
+        "api_aiohttp_ratio": api["aiohttp_ratio"],
         "runner": runner,
         "api": api,
     }

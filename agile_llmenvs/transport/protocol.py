@@ -79,8 +79,11 @@ class WireError(Exception):
         self.extra = extra
 
 
-def parse_message(raw: str) -> ResetMessage | StepMessage | StateMessage | CloseMessage:
-    """Parse one text frame.
+def parse_message(raw: str) -> tuple[str, dict[str, Any]]:
+    """Parse one text frame into its ``type`` and ``data`` (``{}`` for state and close).
+
+    A well-formed step frame (``type`` and a ``data`` object, nothing else: nearly every
+    frame) is taken as it is; any other frame is validated by the message models.
 
     Raises:
         WireError: invalid JSON, an unknown ``type``, or fields the type does not allow.
@@ -90,16 +93,19 @@ def parse_message(raw: str) -> ResetMessage | StepMessage | StateMessage | Close
     except json.JSONDecodeError as exc:
         raise WireError(ErrorCode.INVALID_JSON, f"Invalid JSON: {exc}") from None
     kind = payload.get("type") if isinstance(payload, dict) else None
+    if kind == "step" and len(payload) == 2 and type(payload.get("data")) is dict:
+        return kind, payload["data"]
     if kind not in _KNOWN_TYPES:
         raise WireError(ErrorCode.UNKNOWN_TYPE, f"Unknown message type: {kind}")
     try:
-        return _INCOMING.validate_python(payload)
+        message = _INCOMING.validate_python(payload)
     except ValidationError as exc:
         raise WireError(
             ErrorCode.VALIDATION_ERROR,
             "Invalid message",
             errors=json.loads(exc.json(include_url=False, include_context=False)),
         ) from None
+    return message.type, getattr(message, "data", {})
 
 
 def observation_frame(observation: BaseModel) -> str:

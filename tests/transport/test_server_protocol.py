@@ -194,6 +194,22 @@ def test_idle_sessions_are_closed() -> None:
         assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1001, "session idle timeout")
 
 
+def test_a_call_longer_than_the_idle_timeout_is_not_cut_off() -> None:
+    """Idle time counts from the last reply: a slow step is not idleness."""
+    settings = ServerSettings(session_idle_timeout_s=0.3)
+    with OpenEnvServer(make_env=EchoEnv, settings=settings) as server, ws_connect(server) as ws:
+        ask(ws, {"type": "reset"})
+        reply = ask(ws, {"type": "step", "data": {"message": "sleep:0.8"}})
+        replied = time.monotonic()
+        assert reply["data"]["observation"]["prompt"] == "1:sleep:0.8"
+        assert ask(ws, {"type": "step", "data": {"message": "on"}})["data"]["reward"] == 2.0
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=5)
+        assert time.monotonic() - replied >= 0.3
+        assert closed.value.rcvd is not None
+        assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1001, "session idle timeout")
+
+
 def test_half_open_peers_are_reaped_and_capacity_recovers() -> None:
     """A client that vanishes without closing (its socket open, answering nothing) is dropped
     by the keep-alive ping, and its slot serves the next client."""

@@ -8,21 +8,28 @@ machines drift by up to 2x from minute to minute):
   compression off, capacity 256), hosting the same env;
 * ``ours``: :class:`RemoteEnvClient` against :class:`OpenEnvServer`.
 
-Single-session latency uses each client's blocking API; throughput at N sessions drives N
-sessions concurrently through each client's async API on one event loop. The last line is
-JSON: p50/p99 latency (µs) and steps/s per transport, and the ratios the targets read.
+Single-session latency uses each client's blocking API, with the client on one CPU and the
+server on another (where there are two): unpinned, the scheduler's shuffling of the three
+threads in play (caller, client reader, server loop) across two cores spread each side's
+samples from 1x to 3x their pinned median, run to run. Throughput at N sessions drives N
+sessions concurrently through each client's async API on one event loop, unpinned, with
+client and server each using a whole core: any other process slows a round, so steps/s is
+each transport's best round (the median beside it). The last line is JSON: p50/p99 latency
+(µs) and steps/s per transport, and the ratios the targets read.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +76,26 @@ def latency_ours(url: str, steps: int) -> list[float]:
     with RemoteEnvClient(url) as client:
         client.reset()
         return _timed(lambda: client.step(MESSAGE), steps)
+
+
+@contextlib.contextmanager
+def pinned(server_pid: int) -> Iterator[None]:
+    """This thread (and the threads it starts) on CPU 0, every thread of the server on CPU 1."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) < 2:
+        yield
+        return
+    tasks = [int(t) for t in os.listdir(f"/proc/{server_pid}/task")]
+    before = {t: os.sched_getaffinity(t) for t in [0, *tasks]}
+    os.sched_setaffinity(0, {cpus[0]})
+    for task in tasks:
+        os.sched_setaffinity(task, {cpus[1]})
+    try:
+        yield
+    finally:
+        for task, mask in before.items():
+            with contextlib.suppress(OSError):  # a server thread may have ended
+                os.sched_setaffinity(task, mask)
 
 
 def _timed(call: Callable[[], Any], steps: int) -> list[float]:
@@ -173,8 +200,9 @@ def main() -> None:
     try:
         for round_index in range(args.rounds):
             for kind in kinds:
-                url = servers[kind][1]
-                latencies[kind] += latency_fns[kind](url, args.steps)
+                proc, url = servers[kind]
+                with pinned(proc.pid):
+                    latencies[kind] += latency_fns[kind](url, args.steps)
                 for sessions in args.sessions:
                     rates[kind][sessions].append(run_throughput(kind, url, sessions, args.seconds))
             print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
@@ -188,8 +216,9 @@ def main() -> None:
         result[kind] = {
             "p50_us": round(statistics.median(samples) * 1e6, 1),
             "p99_us": round(samples[int(0.99 * (len(samples) - 1))] * 1e6, 1),
+            **{f"steps_per_s_{n}": round(max(rates[kind][n]), 1) for n in args.sessions},
             **{
-                f"steps_per_s_{n}": round(statistics.median(rates[kind][n]), 1)
+                f"steps_per_s_{n}_median": round(statistics.median(rates[kind][n]), 1)
                 for n in args.sessions
             },
         }

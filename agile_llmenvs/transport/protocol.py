@@ -25,6 +25,7 @@ __all__ = [
     "observation_frame",
     "parse_message",
     "state_frame",
+    "text_observation_frame",
 ]
 
 
@@ -112,15 +113,16 @@ def observation_frame(observation: BaseModel) -> str:
     """The ``observation`` reply for an OpenEnv observation (OpenEnv's own layout)."""
     if type(observation) is TextObservation:  # the hot path: its fields are JSON already
         o: Any = observation
-        fields = {
-            "metadata": o.metadata,
-            "prompt": o.prompt,
-            "truncated": o.truncated,
-            "question": o.question,
-            "answer": o.answer,
-        }
-    else:
-        fields = observation.model_dump(mode="json", exclude={"reward", "done"})
+        return text_observation_frame(
+            prompt=o.prompt,
+            reward=o.reward,
+            done=o.done,
+            truncated=o.truncated,
+            question=o.question,
+            answer=o.answer,
+            metadata=o.metadata,
+        )
+    fields = observation.model_dump(mode="json", exclude={"reward", "done"})
     data: dict[str, Any] = {
         "observation": fields,
         "reward": observation.reward,  # type: ignore[attr-defined]
@@ -128,6 +130,30 @@ def observation_frame(observation: BaseModel) -> str:
     }
     if fields.get("metadata"):
         data["metadata"] = fields["metadata"]
+    return json.dumps({"type": "observation", "data": data})
+
+
+def text_observation_frame(
+    *,
+    prompt: str,
+    reward: float | None,
+    done: bool,
+    truncated: bool,
+    question: Any,
+    answer: Any,
+    metadata: dict[str, Any],
+) -> str:
+    """The ``observation`` reply of a :class:`TextObservation` with these (JSON) fields."""
+    fields = {
+        "metadata": metadata,
+        "prompt": prompt,
+        "truncated": truncated,
+        "question": question,
+        "answer": answer,
+    }
+    data: dict[str, Any] = {"observation": fields, "reward": reward, "done": done}
+    if metadata:
+        data["metadata"] = metadata
     return json.dumps({"type": "observation", "data": data})
 
 

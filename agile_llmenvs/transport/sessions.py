@@ -41,6 +41,7 @@ from agile_llmenvs.transport.protocol import (
     state_frame,
 )
 from agile_llmenvs.transport.types import TextAction
+from agile_llmenvs.transport.wrapper import OpenEnvWrapper
 
 __all__ = ["ServerSettings", "SessionHost"]
 
@@ -228,6 +229,9 @@ class SessionHost:
                 return state_frame(env.state)
             if kind == "reset":
                 observation = await self._call(env, "reset", **_reset_kwargs(env, data))
+            elif _plain_text_step(env, data):  # nearly every step of a hosted text env
+                frame: str = await self._call(env, "step_frame", data["message"])
+                return frame
             else:
                 action = deserialize_action(data, action_cls)
                 observation = await self._call(env, "step", action)
@@ -243,7 +247,8 @@ class SessionHost:
 
     async def _call(self, env: Environment, method: str, *args: Any, **kwargs: Any) -> Any:
         env_class = type(env)
-        if getattr(env_class, f"{method}_async") is not getattr(Environment, f"{method}_async"):
+        overridden = getattr(env_class, f"{method}_async", None)
+        if overridden is not None and overridden is not getattr(Environment, f"{method}_async"):
             return await getattr(env, f"{method}_async")(*args, **kwargs)
         call = partial(getattr(env, method), *args, **kwargs)
         inline = self.calls.inline(env_class)
@@ -260,6 +265,19 @@ class SessionHost:
             return call()
         finally:
             self.calls.record(env_class, time.perf_counter() - start, inline=inline)
+
+
+def _plain_text_step(env: Environment, data: dict[str, Any]) -> bool:
+    """Whether this step can skip the action and observation models: our own wrapper, its
+    ``step`` and ``step_async`` not overridden, and ``data`` exactly a valid :class:`TextAction`."""
+    cls = type(env)
+    return (
+        isinstance(env, OpenEnvWrapper)
+        and cls.step is OpenEnvWrapper.step
+        and cls.step_async is OpenEnvWrapper.step_async
+        and len(data) == 1
+        and type(data.get("message")) is str
+    )
 
 
 class _IdleClock:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from agile_llmenvs.transport._openenv import Environment, EnvironmentMetadata
+from agile_llmenvs.transport.protocol import text_observation_frame
 from agile_llmenvs.transport.types import TextAction, TextObservation, TextState
 
 if TYPE_CHECKING:
@@ -75,20 +76,31 @@ class OpenEnvWrapper(Environment):
         self, action: TextAction, timeout_s: float | None = None, **kwargs: Any
     ) -> TextObservation:
         """Send the action's text to the inner env and type its 5-tuple as an observation."""
-        prompt, reward, terminated, truncated, info = self.inner.step(action.message)
+        # every field is coerced already, so skip re-validating it: this is the hot path
+        return TextObservation.model_construct(**self._step_fields(action.message))
+
+    def step_frame(self, text: str) -> str:
+        """:meth:`step` with ``text``, as its ``observation`` reply frame.
+
+        The same bytes as ``observation_frame(step(TextAction(message=text)))``, without
+        building either model: the server's path for a plain ``{"message": ...}`` step.
+        """
+        return text_observation_frame(**self._step_fields(text))
+
+    def _step_fields(self, text: str) -> dict[str, Any]:
+        prompt, reward, terminated, truncated, info = self.inner.step(text)
         self._steps += 1
         done = bool(terminated or truncated)
         info = jsonable(info or {})
-        # every field is coerced here, so skip re-validating it: this is the hot path
-        return TextObservation.model_construct(
-            prompt=str(prompt),
-            reward=float(reward),
-            done=done,
-            truncated=bool(truncated),
-            question=info.get("question") if done else None,
-            answer=info.get("answer") if done else None,
-            metadata=info,
-        )
+        return {
+            "prompt": str(prompt),
+            "reward": float(reward),
+            "done": done,
+            "truncated": bool(truncated),
+            "question": info.get("question") if done else None,
+            "answer": info.get("answer") if done else None,
+            "metadata": info,
+        }
 
     @property
     def state(self) -> TextState:

@@ -7,6 +7,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from functools import partial
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from echo_envs import BrokenFactoryEnv, EchoEnv
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
-from agile_llmenvs.transport import OpenEnvServer, ServerSettings
+from agile_llmenvs.transport import OpenEnvServer, OpenEnvWrapper, ServerSettings, TextAction
 
 
 def ws_connect(server: OpenEnvServer, path: str = "/ws", **kwargs: Any) -> ClientConnection:
@@ -261,3 +262,19 @@ def test_constructor_errors() -> None:
 def test_url_uses_the_advertised_host() -> None:
     with OpenEnvServer(make_env=EchoEnv, advertise_host="10.1.2.3") as server:
         assert server.url == f"http://10.1.2.3:{server.port}"
+
+
+class _ShoutingWrapper(OpenEnvWrapper):
+    """A wrapper subclass that overrides ``step``: the server must call the override."""
+
+    def step(self, action: TextAction, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        return super().step(TextAction(message=action.message.upper()))
+
+
+def test_a_wrapper_subclass_overriding_step_is_called_for_every_step() -> None:
+    make_env = partial(_ShoutingWrapper, EchoEnv(), owns_inner=False)
+    with OpenEnvServer(make_env=make_env) as server, ws_connect(server) as ws:
+        ask(ws, {"type": "reset"})
+        for k in range(40):  # past the warm-up that moves fast env classes inline
+            reply = ask(ws, {"type": "step", "data": {"message": f"hi{k}"}})
+            assert reply["data"]["observation"]["prompt"] == f"{k + 1}:HI{k}"

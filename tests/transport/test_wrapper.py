@@ -91,3 +91,19 @@ def test_jsonable() -> None:
         "d": float("nan"),
     }
     assert jsonable(value) == {"a": 1.5, "b": [0, 1, 2], "4": [1, 2], "c": [True], "d": "nan"}
+
+
+def test_step_frame_is_the_frame_of_step_byte_for_byte() -> None:
+    from agile_llmenvs.transport.protocol import observation_frame
+
+    framed, typed = OpenEnvWrapper(EchoEnv()), OpenEnvWrapper(EchoEnv())
+    framed.reset(seed=1)
+    typed.reset(seed=1)
+    for text in ["a", "b", "c", "d", "e"]:  # the fifth step is truncated
+        assert framed.step_frame(text) == observation_frame(typed.step(TextAction(message=text)))
+    framed.reset(seed=2)
+    typed.reset(seed=2)
+    last = framed.step_frame("stop")
+    assert last == observation_frame(typed.step(TextAction(message="stop")))
+    assert '"question": "what to say?"' in last
+    assert framed.state.step_count == typed.state.step_count == 1

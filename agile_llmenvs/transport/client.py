@@ -70,16 +70,33 @@ class InProcessEnvClient:
         self.action_cls: type = getattr(self.env, "ACTION_CLS", None) or TextAction
         self.action_field = action_field
         self._closed = False
+        # our own wrapper, as it is, takes the text without the action and observation models
+        self._direct: OpenEnvWrapper | None = None
+        if (
+            isinstance(self.env, OpenEnvWrapper)
+            and self.env.takes_text_directly()
+            and self.action_cls is TextAction
+            and action_field == "message"
+        ):
+            self._direct = self.env
 
     def reset(self, *, seed: int | None = None, **task: Any) -> EnvReply:
         """Reset the env with ``seed`` and the task's kwargs."""
         self._check_open()
+        if self._direct is not None and type(self._direct).reset is OpenEnvWrapper.reset:
+            fields = self._call(self._direct.reset_fields, seed=seed, **task)
+            return EnvReply(_observation(fields), None, False, fields["metadata"])
         observation = self._call(self.env.reset, seed=seed, **task)
         return _reply(observation)
 
     def step(self, text: str) -> EnvReply:
         """Send ``text`` in the action's ``action_field``."""
         self._check_open()
+        if self._direct is not None and type(text) is str:
+            fields = self._call(self._direct.step_fields, text)
+            return EnvReply(
+                _observation(fields), fields["reward"], fields["done"], fields["metadata"]
+            )
         action = self._call(self.action_cls, **{self.action_field: text})
         return _reply(self._call(self.env.step, action))
 
@@ -132,6 +149,16 @@ class InProcessEnvClient:
                 "error_type": type(exc).__name__,
             }
             raise error_from_wire(message, url="in-process env") from exc
+
+
+def _observation(fields: dict[str, Any]) -> dict[str, Any]:
+    """The observation a reply carries, from :class:`TextObservation` fields."""
+    return {
+        "prompt": fields["prompt"],
+        "truncated": fields.get("truncated", False),
+        "question": fields.get("question"),
+        "answer": fields.get("answer"),
+    }
 
 
 def _reply(observation: Any) -> EnvReply:

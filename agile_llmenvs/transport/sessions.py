@@ -269,12 +269,10 @@ class SessionHost:
 
 def _plain_text_step(env: Environment, data: dict[str, Any]) -> bool:
     """Whether this step can skip the action and observation models: our own wrapper, its
-    ``step`` and ``step_async`` not overridden, and ``data`` exactly a valid :class:`TextAction`."""
-    cls = type(env)
+    steps not overridden, and ``data`` exactly a valid :class:`TextAction`."""
     return (
         isinstance(env, OpenEnvWrapper)
-        and cls.step is OpenEnvWrapper.step
-        and cls.step_async is OpenEnvWrapper.step_async
+        and env.takes_text_directly()
         and len(data) == 1
         and type(data.get("message")) is str
     )

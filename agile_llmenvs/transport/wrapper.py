@@ -68,16 +68,28 @@ class OpenEnvWrapper(Environment):
         self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any
     ) -> TextObservation:
         """Start an episode of the inner env; reset kwargs are the task (e.g. ``row_index``)."""
+        return TextObservation.model_construct(**self.reset_fields(seed, episode_id, **kwargs))
+
+    def reset_fields(
+        self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        """:meth:`reset`, as the observation's fields (JSON values) without the model."""
         prompt, info = self.inner.reset(seed=seed, **_accepted(self.inner.reset, kwargs))
         self._episode_id, self._steps = episode_id, 0
-        return TextObservation.model_construct(prompt=str(prompt), metadata=jsonable(info or {}))
+        return {"prompt": str(prompt), "metadata": jsonable(info or {})}
 
     def step(
         self, action: TextAction, timeout_s: float | None = None, **kwargs: Any
     ) -> TextObservation:
         """Send the action's text to the inner env and type its 5-tuple as an observation."""
         # every field is coerced already, so skip re-validating it: this is the hot path
-        return TextObservation.model_construct(**self._step_fields(action.message))
+        return TextObservation.model_construct(**self.step_fields(action.message))
+
+    def takes_text_directly(self) -> bool:
+        """Whether :meth:`step_fields` / :meth:`step_frame` are this env's steps: true unless
+        a subclass overrides ``step`` or ``step_async``."""
+        cls = type(self)
+        return cls.step is OpenEnvWrapper.step and cls.step_async is OpenEnvWrapper.step_async
 
     def step_frame(self, text: str) -> str:
         """:meth:`step` with ``text``, as its ``observation`` reply frame.
@@ -85,9 +97,11 @@ class OpenEnvWrapper(Environment):
         The same bytes as ``observation_frame(step(TextAction(message=text)))``, without
         building either model: the server's path for a plain ``{"message": ...}`` step.
         """
-        return text_observation_frame(**self._step_fields(text))
+        return text_observation_frame(**self.step_fields(text))
 
-    def _step_fields(self, text: str) -> dict[str, Any]:
+    def step_fields(self, text: str) -> dict[str, Any]:
+        """:meth:`step` with ``text``, as the observation's fields (JSON values) without the
+        action or observation model (the hot paths of the server and the in-process client)."""
         prompt, reward, terminated, truncated, info = self.inner.step(text)
         self._steps += 1
         done = bool(terminated or truncated)

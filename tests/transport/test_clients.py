@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from echo_envs import EchoEnv
 
@@ -11,8 +13,24 @@ from agile_llmenvs.transport import (
     EnvReply,
     InProcessEnvClient,
     OpenEnvServer,
+    OpenEnvWrapper,
     RemoteEnvClient,
+    TextAction,
 )
+
+
+class _TypedWrapper(OpenEnvWrapper):
+    """Overrides ``reset`` and ``step`` (as themselves): clients must go the typed way."""
+
+    calls = 0
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None, **kw: Any) -> Any:
+        type(self).calls += 1
+        return super().reset(seed, episode_id, **kw)
+
+    def step(self, action: TextAction, timeout_s: float | None = None, **kw: Any) -> Any:
+        type(self).calls += 1
+        return super().step(action)
 
 
 def _episode(client: InProcessEnvClient | RemoteEnvClient) -> list[EnvReply]:
@@ -45,6 +63,24 @@ def test_in_process_and_remote_replies_are_identical() -> None:
     assert [r.reward for r in local_replies[1:]] == [1.0, 2.0, 3.0]
     assert [r.done for r in local_replies] == [False, False, False, True]
     assert local_replies[-1].observation["answer"] == "stop"
+
+
+def test_the_in_process_text_path_answers_as_the_typed_path() -> None:
+    """Our wrapper takes text straight to the reply; a subclass that overrides its steps is
+    called through the typed models; both give the same replies, truncation included."""
+    direct = InProcessEnvClient(EchoEnv())
+    typed = InProcessEnvClient(_TypedWrapper(EchoEnv(), owns_inner=True))
+    _TypedWrapper.calls = 0
+    texts = ["a", "b", "c", "d", "e"]  # the fifth step is truncated
+    direct_replies = [direct.reset(seed=2, row_index=0)] + [direct.step(t) for t in texts]
+    typed_replies = [typed.reset(seed=2, row_index=0)] + [typed.step(t) for t in texts]
+    assert direct_replies == typed_replies
+    assert _TypedWrapper.calls == 6
+    assert direct_replies[-1].observation["truncated"] is True
+    assert direct_replies[1].metadata == {"turn": 1, "scores": [1.5, 2.5]}
+    assert direct.reset().prompt == typed.reset().prompt == "start seed=None"
+    assert direct.step("stop") == typed.step("stop")
+    assert direct.state() == typed.state()
 
 
 def test_env_errors_surface_as_the_same_type_in_process_and_remote() -> None:

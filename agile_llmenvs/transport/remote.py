@@ -64,8 +64,9 @@ class RemoteEnvClient:
     and destroys it when it closes. A connection lost mid-episode therefore fails that episode
     with :class:`~agile_llmenvs.errors.EnvConnectionError` instead of silently continuing on a
     fresh env; reconnection (with jittered backoff) happens only at the next :meth:`reset`.
-    A reply that misses ``timeout_s`` drops the session (:class:`EnvTimeoutError`), so a late
-    reply can never be taken as the answer to a later call.
+    A reply that misses ``timeout_s`` drops the session (:class:`EnvTimeoutError`), and so does
+    a call interrupted while it waits (Ctrl-C, a cancelled task), so a late reply can never be
+    taken as the answer to a later call.
 
     The blocking methods (:meth:`reset`, :meth:`step`, ...) send from the calling thread on a
     blocking connection whose own thread reads replies and answers keep-alive pings, so a
@@ -333,9 +334,10 @@ class RemoteEnvClient:
     def _exchange_sync(self, message: dict[str, Any], *, parse: bool = True) -> Any:
         ws = self._sync_ws
         assert ws is not None
-        with contextlib.suppress(ConnectionClosed):  # a refusal frame may already be queued
-            ws.send(json.dumps(message))
+        frame = json.dumps(message)
         try:
+            with contextlib.suppress(ConnectionClosed):  # a refusal frame may be queued
+                ws.send(frame)
             raw = ws.recv(timeout=self.timeout_s)
         except TimeoutError:
             self._drop_sync()
@@ -343,6 +345,9 @@ class RemoteEnvClient:
         except ConnectionClosed as exc:
             self._drop_sync()
             raise self._lost_error(message, exc) from exc
+        except BaseException:  # interrupted (Ctrl-C): its reply may still come, unread
+            self._drop_sync()
+            raise
         try:
             return self._reply(raw, parse)
         except (EnvCapacityError, EnvFactoryError):
@@ -385,9 +390,10 @@ class RemoteEnvClient:
     async def _exchange(self, message: dict[str, Any], *, parse: bool = True) -> Any:
         ws = self._ws
         assert ws is not None
-        with contextlib.suppress(ConnectionClosed):  # a refusal frame may already be queued
-            await ws.send(json.dumps(message))
+        frame = json.dumps(message)
         try:
+            with contextlib.suppress(ConnectionClosed):  # a refusal frame may be queued
+                await ws.send(frame)
             if self.timeout_s is None:  # no timer to arm: a few % of a step's CPU
                 raw = await ws.recv()
             else:
@@ -399,6 +405,9 @@ class RemoteEnvClient:
         except ConnectionClosed as exc:
             await self._drop()
             raise self._lost_error(message, exc) from exc
+        except BaseException:  # cancelled: its reply may still come, unread
+            await self._drop()
+            raise
         try:
             return self._reply(raw, parse)
         except (EnvCapacityError, EnvFactoryError):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -123,6 +126,40 @@ def test_a_late_reply_never_answers_a_later_call() -> None:
         assert client.step("fresh").prompt == "1:fresh"
         assert client.step("again").prompt == "2:again"
         client.close()
+
+
+def test_an_interrupted_call_drops_the_session_so_its_reply_is_never_read() -> None:
+    with OpenEnvServer(make_env=EchoEnv, max_concurrent_envs=4) as server:
+        blocking = RemoteEnvClient(server.url, timeout_s=5)
+        blocking.reset()
+        interrupt = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+        interrupt.start()
+        with pytest.raises(KeyboardInterrupt):
+            blocking.step("sleep:0.6")
+        interrupt.join()
+        assert blocking.state_ is ClientState.LOST
+        time.sleep(0.6)  # the reply to the interrupted step has been sent by now
+        with pytest.raises(EnvConnectionError, match="lost mid-episode"):
+            blocking.step("next")
+        assert blocking.reset().prompt == "start seed=None"
+        assert blocking.step("fresh").prompt == "1:fresh"
+        blocking.close()
+
+        asynchronous = RemoteEnvClient(server.url, timeout_s=5)
+
+        async def cancelled_step() -> None:
+            await asynchronous.areset()
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(asynchronous.astep("sleep:0.6"), 0.2)
+
+        SESSION_LOOP.run(cancelled_step())
+        assert asynchronous.state_ is ClientState.LOST
+        time.sleep(0.6)
+        with pytest.raises(EnvConnectionError, match="lost mid-episode"):
+            SESSION_LOOP.run(asynchronous.astep("next"))
+        assert SESSION_LOOP.run(asynchronous.areset()).prompt == "start seed=None"
+        assert SESSION_LOOP.run(asynchronous.astep("fresh")).prompt == "1:fresh"
+        asynchronous.close()
 
 
 def _free_port() -> int:

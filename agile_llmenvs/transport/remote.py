@@ -70,10 +70,11 @@ class RemoteEnvClient:
 
     The blocking methods (:meth:`reset`, :meth:`step`, ...) send from the calling thread on a
     blocking connection whose own thread reads replies and answers keep-alive pings, so a
-    session survives a caller that spends minutes generating. The async methods
-    (:meth:`areset`, :meth:`astep`, ...) run on the process-wide session loop
-    (:data:`~agile_llmenvs.transport.session_loop.SESSION_LOOP`). The first call of an episode
-    picks the connection; the other API still works on it, through a thread hop.
+    session survives a caller that spends minutes generating. An open blocking session holds
+    two threads (the reader and its keep-alive pinger); for thousands of sessions the async
+    methods (:meth:`areset`, :meth:`astep`, ...) are lighter: they run on the process-wide
+    session loop (:data:`~agile_llmenvs.transport.session_loop.SESSION_LOOP`). The first call
+    of an episode picks the connection; the other API still works on it, through a thread hop.
 
     Args:
         base_url: Root URL of the env server, or a zero-argument callable returning it —

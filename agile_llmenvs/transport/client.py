@@ -79,13 +79,16 @@ class InProcessEnvClient:
             and action_field == "message"
         ):
             self._direct = self.env
+        self._direct_reset = self._direct is not None and (
+            type(self._direct).reset is OpenEnvWrapper.reset
+        )
 
     def reset(self, *, seed: int | None = None, **task: Any) -> EnvReply:
         """Reset the env with ``seed`` and the task's kwargs."""
         self._check_open()
-        if self._direct is not None and type(self._direct).reset is OpenEnvWrapper.reset:
-            fields = self._call(self._direct.reset_fields, seed=seed, **task)
-            return EnvReply(_observation(fields), None, False, fields["metadata"])
+        if self._direct_reset:
+            assert self._direct is not None
+            return _text_reply(self._call(self._direct.reset_fields, seed=seed, **task))
         observation = self._call(self.env.reset, seed=seed, **task)
         return _reply(observation)
 
@@ -93,10 +96,7 @@ class InProcessEnvClient:
         """Send ``text`` in the action's ``action_field``."""
         self._check_open()
         if self._direct is not None and type(text) is str:
-            fields = self._call(self._direct.step_fields, text)
-            return EnvReply(
-                _observation(fields), fields["reward"], fields["done"], fields["metadata"]
-            )
+            return _text_reply(self._call(self._direct.step_fields, text))
         action = self._call(self.action_cls, **{self.action_field: text})
         return _reply(self._call(self.env.step, action))
 
@@ -151,26 +151,25 @@ class InProcessEnvClient:
             raise error_from_wire(message, url="in-process env") from exc
 
 
-def _observation(fields: dict[str, Any]) -> dict[str, Any]:
-    """The observation a reply carries, from :class:`TextObservation` fields."""
-    return {
-        "prompt": fields["prompt"],
-        "truncated": fields.get("truncated", False),
-        "question": fields.get("question"),
-        "answer": fields.get("answer"),
-    }
+def _text_reply(fields: dict[str, Any]) -> EnvReply:
+    """The reply to an observation with these :class:`TextObservation` field values (reward,
+    done and the rest at their defaults when absent, as after a reset)."""
+    reward = fields.get("reward")
+    return EnvReply(
+        {
+            "prompt": fields["prompt"],
+            "truncated": fields.get("truncated", False),
+            "question": fields.get("question"),
+            "answer": fields.get("answer"),
+        },
+        None if reward is None else float(reward),
+        bool(fields.get("done", False)),
+        dict(fields["metadata"]),
+    )
 
 
 def _reply(observation: Any) -> EnvReply:
     """The reply a remote client would parse from this observation's frame."""
     if type(observation) is TextObservation:  # its fields are JSON values already: no round trip
-        o: Any = observation
-        fields = {
-            "prompt": o.prompt,
-            "truncated": o.truncated,
-            "question": o.question,
-            "answer": o.answer,
-        }
-        reward = None if o.reward is None else float(o.reward)
-        return EnvReply(fields, reward, bool(o.done), dict(o.metadata))
+        return _text_reply(observation.__dict__)
     return EnvReply.from_wire(json.loads(observation_frame(observation))["data"])

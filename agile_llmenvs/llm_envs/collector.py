@@ -15,7 +15,12 @@ from agile_llmenvs.errors import AgileLLMEnvsError, SlotTimeoutError, StaleEpiso
 from agile_llmenvs.llm_envs.episode import EpisodeData, TurnResult
 from agile_llmenvs.llm_envs.harness import RolloutHarness
 from agile_llmenvs.llm_envs.tasks import Task, TaskAssigner
-from agile_llmenvs.llm_envs.trajectory import RolloutBatch, Trajectory, failed_episode
+from agile_llmenvs.llm_envs.trajectory import (
+    RolloutBatch,
+    Trajectory,
+    failed_episode,
+    finished_rewards,
+)
 from agile_llmenvs.transport.calls import CallPolicy
 from agile_llmenvs.transport.client import InProcessEnvClient
 
@@ -198,7 +203,7 @@ class RolloutCollector:
             for group in self._play(generate):
                 informative = self._record(group)
                 (kept if informative or not dynamic_sampling else spare).append(group)
-        informative_count = sum(1 for g in kept if len({t.reward for t in g}) > 1)
+        informative_count = sum(1 for g in kept if len(set(finished_rewards(g))) > 1)
         groups = (kept + spare)[: self.groups]
         flat = tuple(_regroup(groups, self.group_size))
         return RolloutBatch(
@@ -225,7 +230,7 @@ class RolloutCollector:
 
     def _record(self, group: tuple[Trajectory, ...]) -> bool:
         task = group[0].task
-        rewards = [t.reward for t in group]
+        rewards = finished_rewards(group)
         if task.row_index is None:
             return len(set(rewards)) > 1
         return self.assigner.record_outcome(task.row_index, rewards)

@@ -35,7 +35,8 @@ class TokenSample:
         action_mask: Length ``T - 1``; True exactly where the target was sampled by the policy.
         turn_ids: Length ``T - 1``; the turn index where ``action_mask`` is True, else -1.
         sampling_logps: The sampler's log-probabilities of the sampled ids, concatenated in
-            order (length ``sum(action_mask)``), or empty when none were given.
+            order (length ``sum(action_mask)``); NaN for ids of a turn the policy gave none
+            for (the trainer then scores them itself before its first update).
     """
 
     token_ids: tuple[int, ...]

@@ -8,6 +8,7 @@ past turn.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -257,7 +258,9 @@ class RolloutHarness:
             )
         turn = episode.turn
         episode.append(completion_ids, turn=turn)
-        episode.logps.extend(float(x) for x in sampling_logps or ())
+        # NaN marks a turn the policy gave no log-probs for, so later turns stay aligned
+        values = sampling_logps if sampling_logps is not None else (math.nan,) * len(completion_ids)
+        episode.logps.extend(float(x) for x in values)
         action = self.tokenizer.decode(list(completion_ids), skip_special_tokens=True)
         reply, reward, info = self._act(action)
         episode.rewards.append(reward)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from agile_llmenvs.llm_envs.episode import EpisodeData, StopReason
 from agile_llmenvs.llm_envs.tasks import Task
 
-__all__ = ["RolloutBatch", "Trajectory", "failed_episode"]
+__all__ = ["RolloutBatch", "Trajectory", "failed_episode", "finished_rewards"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class RolloutBatch:
     Attributes:
         trajectories: Contiguous groups of ``group_size``.
         group_size: Members per group.
-        informative_groups: Groups whose rewards are not all equal.
+        informative_groups: Groups whose finished members' rewards are not all equal.
         attempts: Collection rounds run (more than one with dynamic sampling).
     """
 
@@ -65,3 +65,8 @@ def failed_episode(reason: str) -> EpisodeData:
     return EpisodeData(
         samples=(), rewards=(), stop_reason=StopReason.ENV_ERROR, info={"error": reason}
     )
+
+
+def finished_rewards(group: tuple[Trajectory, ...]) -> list[float]:
+    """The rewards of the group's members whose env did not fail (a failure is no score)."""
+    return [t.reward for t in group if not t.failed]

@@ -133,6 +133,16 @@ class TrainingSpec(BaseModel):
     temperature: float = Field(
         1.0, gt=0.0, le=10.0, description="Sampling temperature of GRPO rollouts."
     )
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="GRPO: nucleus sampling of rollouts (the importance ratio does not "
+        "correct the truncation; see docs/training.md).",
+    )
+    top_k: int | None = Field(
+        None, ge=1, description="GRPO: sample rollouts from the k likeliest tokens only."
+    )
     clip_eps: float = Field(
         0.2, gt=0.0, le=1.0, description="GRPO: the importance ratio is clipped to 1 +- clip_eps."
     )
@@ -168,6 +178,50 @@ class TrainingSpec(BaseModel):
     vllm: VLLMGenerationSpec | None = Field(
         None, description="Engine settings for `generation_backend: vllm` (unset: defaults)."
     )
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Rows per forward/backward pass; their gradients accumulate into one "
+        "optimizer step equal to the whole batch's (unset: the whole batch at once).",
+    )
+    logps_chunk_tokens: int = Field(
+        256,
+        ge=1,
+        description="Scored positions whose logits are held at once (memory: this x vocab "
+        "x 4 bytes, a few times over).",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute the decoder's activations in the backward pass."
+    )
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
+        "no",
+        description="Compute precision through accelerate; the weights and optimizer state "
+        "stay fp32 (`fp16` needs a GPU).",
+    )
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning-rate decay after the warmup, to 0 at the last step."
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="Optimizer steps of linear warmup from 0 to `learning_rate`."
+    )
+    weight_decay: float = Field(
+        0.0, ge=0.0, description="AdamW's decoupled weight decay (not on biases and norms)."
+    )
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = Field(
+        "dapo",
+        description="GRPO: how per-token losses are averaged (docs/training.md gives each "
+        "formula); `dapo`: over every sampled token of the global batch.",
+    )
+    max_completion_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="GRPO `dr_grpo`: the constant a sample's token sum is divided by, with the "
+        "row count (unset: max_new_tokens x the env's max_turns).",
+    )
+    num_iterations: int = Field(1, ge=1, description="GRPO: passes over each collected batch.")
+    mini_batches: int = Field(
+        1, ge=1, description="GRPO: optimizer steps per pass (the batch's rows split evenly)."
+    )
 
     @model_validator(mode="after")
     def _check_generation(self) -> TrainingSpec:
@@ -178,6 +232,12 @@ class TrainingSpec(BaseModel):
             )
         if self.vllm is not None and self.generation_backend != "vllm":
             raise fail("vllm", "engine settings need `generation_backend: vllm`")
+        if self.mini_batches > self.batch_size * self.group_size and self.algorithm == "grpo":
+            raise fail(
+                "mini_batches",
+                f"{self.mini_batches} optimizer steps per pass over "
+                f"{self.batch_size * self.group_size} episodes: at most one per episode",
+            )
         return self
 
 
@@ -205,6 +265,13 @@ class RunManifest(BaseModel):
             )
         if self.training is None:
             return self
+        if self.model.dtype != "float32" and self.training.lora is None:
+            raise fail(
+                "model.dtype",
+                f"training {self.model.dtype} weights: AdamW rounds most updates away. Set "
+                "`model.dtype: float32` and `training.mixed_precision: bf16` (fp32 master "
+                "weights, bf16 compute), or train LoRA adapters (`training.lora`)",
+            )
         env_type, objective = _ALGORITHM_ENV[self.training.algorithm]
         actual = (self.env.env_type, getattr(self.env, "objective", None))
         if actual[0] != env_type or (objective is not None and actual[1] != objective):

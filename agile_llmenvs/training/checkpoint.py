@@ -29,9 +29,10 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     tokenizer: Any,
     rank_state: Mapping[str, Any],
+    scheduler: Any = None,
 ) -> Path:
     """Save the model (Hugging Face layout; a LoRA policy's adapters only, peft's layout),
-    optimizer, step and every rank's RNG and data state.
+    optimizer, learning-rate schedule, step and every rank's RNG and data state.
 
     ``rank_state`` is this rank's own (its collector or dataset position); each rank writes
     its file, the main process the shared ones.
@@ -44,13 +45,21 @@ def save_checkpoint(
     if accelerator.is_main_process:
         accelerator.unwrap_model(model).save_pretrained(directory / "model")
         tokenizer.save_pretrained(directory / "model")
-        torch.save({"step": step, "optimizer": optimizer.state_dict()}, directory / "trainer.pt")
+        trainer = {"step": step, "optimizer": optimizer.state_dict()}
+        if scheduler is not None:
+            trainer["scheduler"] = scheduler.state_dict()
+        torch.save(trainer, directory / "trainer.pt")
     accelerator.wait_for_everyone()
     return directory
 
 
 def load_checkpoint(
-    output_dir: Path, *, accelerator: Any, model: Any, optimizer: torch.optim.Optimizer
+    output_dir: Path,
+    *,
+    accelerator: Any,
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
 ) -> tuple[int, dict[str, Any]]:
     """Restore what :func:`save_checkpoint` wrote; returns the step and this rank's state.
 
@@ -68,6 +77,8 @@ def load_checkpoint(
     _load_weights(directory / "model", accelerator.unwrap_model(model))
     trainer = torch.load(directory / "trainer.pt", weights_only=False)
     optimizer.load_state_dict(trainer["optimizer"])
+    if scheduler is not None and "scheduler" in trainer:
+        scheduler.load_state_dict(trainer["scheduler"])
     state = torch.load(rank_file, weights_only=False)
     _set_rng_state(state.pop("rng"))
     return int(trainer["step"]), state

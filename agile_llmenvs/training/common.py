@@ -12,7 +12,9 @@ import torch
 
 from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.specs import ModelSpec, RunManifest, TrainingSpec
+from agile_llmenvs.training.learner import Learner
 from agile_llmenvs.training.lora import AdaptersOffReference, apply_lora, is_lora
+from agile_llmenvs.training.optim import check_master_weights, make_optimizer, make_scheduler
 
 __all__ = [
     "TrainResult",
@@ -70,28 +72,52 @@ def load_policy(spec: ModelSpec) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def prepare_policy(manifest: RunManifest, config: TrainingSpec) -> tuple[Any, Any, Any, Any]:
+def prepare_policy(
+    manifest: RunManifest, config: TrainingSpec, *, total_steps: int
+) -> tuple[Learner, Any]:
     """Seed, load the policy (with LoRA adapters when ``config.lora``) and its tokenizer, and
-    prepare it with AdamW over its trainable parameters on ``accelerate``.
+    prepare it on ``accelerate`` with AdamW over its trainable parameters and the schedule.
+
+    Args:
+        manifest: The run.
+        config: Its training section.
+        total_steps: Optimizer steps of the whole run (the schedule decays over them).
 
     Returns:
-        ``(accelerator, model, optimizer, tokenizer)``; ``accelerator.unwrap_model(model)``
-        is the plain model (for generation, or :func:`reference_model`).
+        ``(learner, tokenizer)``; ``learner.accelerator.unwrap_model(learner.model)`` is the
+        plain model (for generation, or :func:`reference_model`).
 
     Raises:
         OptionalDependencyError: ``config.lora`` without ``peft`` installed.
+        AgileLLMEnvsError: a trainable parameter is not fp32, or ``fp16`` without a GPU.
     """
     from accelerate import Accelerator
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    if config.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise AgileLLMEnvsError(
+            "training.mixed_precision: fp16 needs a GPU; use bf16 (or no) on CPU"
+        )
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(), mixed_precision=config.mixed_precision
+    )
     seed_everything(manifest.seed)
     model, tokenizer = load_policy(manifest.model)
     if config.lora is not None:
         model = apply_lora(model, config.lora)
-    trainable = [param for param in model.parameters() if param.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate)
+    check_master_weights(model)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = make_optimizer(
+        model, learning_rate=config.learning_rate, weight_decay=config.weight_decay
+    )
     model, optimizer = accelerator.prepare(model, optimizer)
-    return accelerator, model, optimizer, tokenizer
+    scheduler = make_scheduler(
+        optimizer,
+        config.lr_scheduler,
+        warmup_steps=config.warmup_steps,
+        total_steps=total_steps,
+    )
+    return Learner(accelerator, model, optimizer, scheduler, config.max_grad_norm), tokenizer
 
 
 def reference_model(policy: Any, device: Any) -> Any:

@@ -9,13 +9,13 @@ import torch
 
 from agile_llmenvs.specs import RunManifest
 from agile_llmenvs.training.common import TrainResult, reference_model, training_spec
-from agile_llmenvs.training.losses import dpo_loss, sequence_logps
-from agile_llmenvs.training.supervised import LossFn, train_on_dataset
+from agile_llmenvs.training.losses import dpo_loss
+from agile_llmenvs.training.supervised import labelled_logps, train_on_dataset
 
 __all__ = ["DEFAULT_DPO_BETA", "DPO_METRICS", "train_dpo"]
 
 #: The columns of a DPO run's ``metrics.csv``, in order.
-DPO_METRICS = ("step", "loss", "margin", "accuracy", "grad_norm", "step_time_s")
+DPO_METRICS = ("step", "loss", "margin", "accuracy", "grad_norm", "step_time_s", "learning_rate")
 #: DPO's temperature when the manifest leaves ``training.beta`` unset.
 DEFAULT_DPO_BETA = 0.1
 
@@ -23,37 +23,70 @@ DEFAULT_DPO_BETA = 0.1
 def train_dpo(manifest: RunManifest, *, resume: bool = False) -> TrainResult:
     """Train the manifest's model with the sigmoid DPO loss on its preference dataset env.
 
+    The loss is the mean over every pair of the batch (of every process).
+
     Args:
         manifest: A manifest with ``env_type: dataset``, ``objective: preference`` and
             ``training.algorithm: dpo``; ``training.beta`` is DPO's temperature.
         resume: Continue from the checkpoint in ``output_dir``. The reference is the model
             the manifest names, not the checkpoint.
     """
-    beta = training_spec(manifest).beta
-    beta = DEFAULT_DPO_BETA if beta is None else beta
+    config = training_spec(manifest)
+    beta = DEFAULT_DPO_BETA if config.beta is None else config.beta
 
-    def make_loss(model: Any, accelerator: Any) -> LossFn:
-        return _DPOLoss(reference_model(model, accelerator.device), beta)
+    def make_objective(model: Any, accelerator: Any) -> DPOObjective:
+        reference = reference_model(model, accelerator.device)
+        return DPOObjective(reference, beta, config.logps_chunk_tokens)
 
     return train_on_dataset(
-        manifest, resume=resume, name="dpo", metric_keys=DPO_METRICS, make_loss=make_loss
+        manifest, resume=resume, name="dpo", metric_keys=DPO_METRICS, make_objective=make_objective
     )
 
 
-class _DPOLoss:
-    """Chosen and rejected in one forward pass each, for the policy and the reference."""
+class DPOObjective:
+    """Each micro-batch's chosen and rejected rows in one forward pass each, for the policy
+    and the reference; the loss is a sum over pairs over the global pair count."""
 
-    def __init__(self, reference: Any, beta: float) -> None:
-        self.reference, self.beta = reference, beta
+    def __init__(self, reference: Any, beta: float, chunk_tokens: int) -> None:
+        self.reference, self.beta, self.chunk_tokens = reference, beta, chunk_tokens
 
-    def __call__(self, model: Any, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
-        input_ids = torch.cat([batch.chosen_input_ids, batch.rejected_input_ids])
-        attention_mask = torch.cat([batch.chosen_attention_mask, batch.rejected_attention_mask])
-        labels = torch.cat([batch.chosen_labels, batch.rejected_labels])
-        chosen, rejected = sequence_logps(model, input_ids, attention_mask, labels).chunk(2)
+    def rows(self, batch: Any) -> int:
+        """Pairs of the batch."""
+        return int(batch.chosen_input_ids.shape[0])
+
+    def units(self, batch: Any) -> float:
+        """Pairs of the batch."""
+        return float(self.rows(batch))
+
+    def loss(
+        self, model: Any, batch: Any, rows: slice, total_units: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The pairs' summed DPO loss over the global pair count; sums of margin and wins."""
+        input_ids = torch.cat([batch.chosen_input_ids[rows], batch.rejected_input_ids[rows]])
+        attention_mask = torch.cat(
+            [batch.chosen_attention_mask[rows], batch.rejected_attention_mask[rows]]
+        )
+        labels = torch.cat([batch.chosen_labels[rows], batch.rejected_labels[rows]])
+        chosen, rejected = self._sequence_logps(model, input_ids, attention_mask, labels)
         with torch.no_grad():
-            ref = sequence_logps(self.reference, input_ids, attention_mask, labels)
-        ref_chosen, ref_rejected = ref.chunk(2)
-        loss, margin = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=self.beta)
-        accuracy = ((chosen - ref_chosen) > (rejected - ref_rejected)).float().mean()
-        return loss, {"margin": margin.item(), "accuracy": accuracy.item()}
+            ref_chosen, ref_rejected = self._sequence_logps(
+                self.reference, input_ids, attention_mask, labels
+            )
+        loss_B, margin_B = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=self.beta)
+        wins = float((margin_B > 0).sum())
+        return loss_B.sum() / max(total_units, 1.0), {"margin": float(margin_B.sum()), "wins": wins}
+
+    def metrics(self, sums: dict[str, float], total_units: float) -> dict[str, float]:
+        """Mean margin, and the share of pairs the policy prefers more than the reference."""
+        pairs = max(total_units, 1.0)
+        return {"margin": sums["margin"] / pairs, "accuracy": sums["wins"] / pairs}
+
+    def _sequence_logps(
+        self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) sums of each response's token log-probs."""
+        logps_BT, mask_BT = labelled_logps(
+            model, input_ids, attention_mask, labels, chunk_tokens=self.chunk_tokens
+        )
+        chosen, rejected = (logps_BT * mask_BT).sum(dim=1).chunk(2)
+        return chosen, rejected

@@ -2,10 +2,12 @@
 
 One step: the collector plays ``batch_size`` groups of ``group_size`` episodes with the
 current policy (an :class:`HFBackend` over the unwrapped model, no grad; or a vLLM engine
-given the policy's weights after every step); each episode's advantage is its reward minus
-its group's mean (optionally over the group's std); the loss is PPO's clipped
-importance-ratio surrogate against the sampler's own log-probs, averaged over every sampled
-token, plus ``beta`` times a k3 KL to the starting policy when ``beta > 0``.
+given the policy's weights after every step); each finished episode's advantage is its reward
+minus the mean of its group's finished members (optionally over their std); then
+:func:`~agile_llmenvs.training.grpo_update.grpo_update` takes ``num_iterations`` passes of
+``mini_batches`` optimizer steps on PPO's clipped importance-ratio surrogate against the
+sampler's own log-probs (plus ``beta`` times a k3 KL to the starting policy), each step
+accumulated over micro-batches and normalised as ``loss_type`` says.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ import torch
 from agile_llmenvs.backends.hf import HFBackend
 from agile_llmenvs.backends.types import Generation, SamplingParams
 from agile_llmenvs.llm_envs.collector import RolloutCollector
+from agile_llmenvs.llm_envs.episode import TokenSample
 from agile_llmenvs.llm_envs.trajectory import RolloutBatch
 from agile_llmenvs.specs import LLMEnvSpec, RunManifest, TrainingSpec
 from agile_llmenvs.specs.manifest import VLLMGenerationSpec
@@ -35,12 +39,13 @@ from agile_llmenvs.training.common import (
     reference_model,
     training_spec,
 )
-from agile_llmenvs.training.losses import (
-    approx_kl,
-    clipped_policy_loss,
-    group_advantages,
-    token_logps,
+from agile_llmenvs.training.grpo_update import (
+    PolicyBatch,
+    UpdateSettings,
+    grpo_update,
 )
+from agile_llmenvs.training.learner import Learner
+from agile_llmenvs.training.losses import group_advantages
 from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
 from agile_llmenvs.training.vllm_engine import PolicyVLLMEngine
 
@@ -64,41 +69,38 @@ GRPO_METRICS = (
     "env_time_s",
     "learn_time_s",
     "weight_sync_time_s",
+    "ratio_mean",
+    "ratio_max",
+    "entropy",
+    "failed_episodes",
+    "dropped_groups",
+    "learning_rate",
 )
 
 
-@dataclass(frozen=True)
-class PolicyBatch:
-    """One rank's rollouts as right-padded training tensors; one row per token sample.
-
-    Attributes:
-        input_ids_BT: Each sample's token ids, then pad ids.
-        attention_mask_BT: 1 on the sample's tokens.
-        action_mask_BT: ``[B, T - 1]``; True where the next token was sampled by the policy.
-        sampling_logps_BT: ``[B, T - 1]``; the sampler's log-prob of that token (0 elsewhere).
-        advantages_B: The advantage of the episode each row belongs to.
-    """
-
-    input_ids_BT: torch.Tensor
-    attention_mask_BT: torch.Tensor
-    action_mask_BT: torch.Tensor
-    sampling_logps_BT: torch.Tensor
-    advantages_B: torch.Tensor
-
-    def to(self, device: torch.device | str) -> PolicyBatch:
-        """The same batch on ``device``."""
-        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)}
-        return PolicyBatch(**moved)
-
-
-def build_policy_batch(rollout: RolloutBatch, advantages: torch.Tensor, pad_id: int) -> PolicyBatch:
+def build_policy_batch(
+    rollout: RolloutBatch,
+    advantages: torch.Tensor,
+    pad_id: int,
+    kept: Sequence[bool] | None = None,
+) -> PolicyBatch:
     """Lay out every token sample of ``rollout``, with its episode's advantage.
 
     An episode restarted into several samples gives several rows sharing one advantage; a
-    failed episode gives none.
+    failed episode gives none, and neither does one whose ``kept`` is False (a member of a
+    group left with fewer than two finished episodes). A turn the sampler gave no log-probs
+    for has NaN there (:func:`grpo_update` scores it with the policy).
+
+    Raises:
+        ValueError: a sample's log-probs are neither one per sampled token nor absent.
     """
     samples, row_advantages = [], []
-    for trajectory, advantage in zip(rollout.trajectories, advantages.tolist(), strict=True):
+    keep = kept if kept is not None else [True] * len(rollout.trajectories)
+    for trajectory, advantage, keep_it in zip(
+        rollout.trajectories, advantages.tolist(), keep, strict=True
+    ):
+        if not keep_it:
+            continue
         for sample in trajectory.episode.samples:
             samples.append(sample)
             row_advantages.append(advantage)
@@ -108,16 +110,29 @@ def build_policy_batch(rollout: RolloutBatch, advantages: torch.Tensor, pad_id: 
     # flat numpy buffers: torch.tensor on Python lists costs ~4x as much
     ids = _flat(((*s.token_ids, *(pad_id,) * pad) for s, pad in padded), np.int64)
     actions = _flat(((*s.action_mask, *(False,) * pad) for s, pad in padded), np.bool_)
-    sampled = _flat((sample.sampling_logps for sample in samples), np.float32)
+    sampled = _flat((_sampled_logps(sample) for sample in samples), np.float32)
     input_ids = torch.from_numpy(ids).view(rows, width)
     action_mask = torch.from_numpy(actions).view(rows, width - 1)
     lengths = torch.tensor([len(sample.token_ids) for sample in samples])
     attention_mask = (torch.arange(width) < lengths[:, None]).long()
     sampling_logps = torch.zeros(rows, width - 1)
     # each row's sampled tokens, in order, are its mask's True positions, rows in order
-    sampling_logps[action_mask] = torch.from_numpy(sampled).nan_to_num(nan=0.0)
+    sampling_logps[action_mask] = torch.from_numpy(sampled)
     advantages_B = torch.tensor(row_advantages, dtype=torch.float32)
     return PolicyBatch(input_ids, attention_mask, action_mask, sampling_logps, advantages_B)
+
+
+def _sampled_logps(sample: TokenSample) -> Sequence[float]:
+    """The sample's log-probs, one per sampled token (NaN for all when it has none)."""
+    sampled = sum(sample.action_mask)
+    if len(sample.sampling_logps) == sampled:
+        return sample.sampling_logps
+    if not sample.sampling_logps:
+        return (math.nan,) * sampled
+    raise ValueError(
+        f"a token sample has {len(sample.sampling_logps)} sampling log-probs for {sampled} "
+        "sampled tokens: give one per sampled token, or none (the trainer then scores them)"
+    )
 
 
 def _flat(rows: Iterable[Iterable[Any]], dtype: type) -> np.ndarray:
@@ -155,15 +170,24 @@ class _Sampler:
 class _Run:
     """What a GRPO run holds between steps (set up once by :func:`_setup`)."""
 
-    accelerator: Any
-    model: Any
-    optimizer: torch.optim.Optimizer
+    learner: Learner
     tokenizer: Any
     reference: Any
     collector: RolloutCollector
     sampler: _Sampler
+    settings: UpdateSettings
     start_step: int
     engine: PolicyVLLMEngine | None = None
+
+    @property
+    def accelerator(self) -> Any:
+        """The run's ``accelerate.Accelerator``."""
+        return self.learner.accelerator
+
+    @property
+    def model(self) -> Any:
+        """The prepared policy."""
+        return self.learner.model
 
     def close(self) -> None:
         """Release the env slots, the env hosts behind them (if any), and the vLLM engine."""
@@ -260,11 +284,16 @@ def _step(run: _Run, config: TrainingSpec, step: int, seed: int) -> dict[str, fl
     """
     step_start = time.perf_counter()
     rollout, rewards_GN = _collect(run, config, seed)
-    advantages_GN = group_advantages(rewards_GN, scale=config.scale_advantages)
+    finished_GN = torch.tensor([not t.failed for t in rollout.trajectories])
+    finished_GN = finished_GN.view_as(rewards_GN)
+    advantages_GN, kept_GN = group_advantages(
+        rewards_GN, scale=config.scale_advantages, finished_GN=finished_GN
+    )
     pad_id = run.tokenizer.pad_token_id or 0
-    batch = build_policy_batch(rollout, advantages_GN.flatten(), pad_id)
+    batch = build_policy_batch(rollout, advantages_GN.flatten(), pad_id, kept_GN.flatten().tolist())
+    learning_rate = run.learner.scheduler.get_last_lr()[0]
     learn_start = time.perf_counter()
-    losses = _learn(run, config, batch.to(run.accelerator.device))
+    losses = grpo_update(run.learner, batch.to(run.accelerator.device), run.settings, run.reference)
     learn_time = time.perf_counter() - learn_start
     sync_start = time.perf_counter()
     if run.engine is not None:
@@ -278,30 +307,45 @@ def _step(run: _Run, config: TrainingSpec, step: int, seed: int) -> dict[str, fl
         "weight_sync_time_s": sync_time,
         "step_time_s": step_time,
     }
-    return _step_row(run, step, rollout, rewards_GN, batch, {**losses, **timings})
+    counts = {
+        "failed_episodes": float((~finished_GN).sum()),
+        "dropped_groups": float((finished_GN.sum(dim=1) < 2).sum()),
+    }
+    measured = {**losses, **timings, "learning_rate": learning_rate}
+    return _step_row(run, step, rewards_GN, finished_GN, batch, rollout, measured, counts)
 
 
 def _step_row(
     run: _Run,
     step: int,
-    rollout: RolloutBatch,
     rewards_GN: torch.Tensor,
+    finished_GN: torch.Tensor,
     batch: PolicyBatch,
+    rollout: RolloutBatch,
     measured: dict[str, float],
+    counts: dict[str, float],
 ) -> dict[str, float]:
-    """The step's metrics: means over processes, except counts (summed) and the throughput."""
+    """The step's metrics: means over processes, except counts (summed) and the throughput.
+
+    Reward statistics are over the episodes that finished.
+    """
+    finished = rewards_GN[finished_GN]
     local = {
-        "reward_mean": rewards_GN.mean().item(),
-        "reward_std": rewards_GN.std(unbiased=False).item(),
+        "reward_mean": finished.mean().item() if finished.numel() else 0.0,
+        "reward_std": finished.std(unbiased=False).item() if finished.numel() else 0.0,
         **measured,
     }
     row = _reduce(run.accelerator, local, "mean")
-    totals = {"tokens": float(batch.action_mask_BT.sum()), "groups": rollout.informative_groups}
+    totals = {
+        "tokens": float(batch.action_mask_BT.sum()),
+        "informative_groups": float(rollout.informative_groups),
+        **counts,
+    }
     totals = _reduce(run.accelerator, totals, "sum")
     row.update(
         step=float(step),
-        tokens_per_s=totals["tokens"] / max(row["step_time_s"], 1e-9),
-        informative_groups=totals["groups"],
+        tokens_per_s=totals.pop("tokens") / max(row["step_time_s"], 1e-9),
+        **totals,
     )
     return row
 
@@ -310,8 +354,10 @@ def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
     """Load the policy (and a reference when ``beta > 0``), the optimizer, the vLLM engine
     when asked for, and the collector; then the checkpoint when resuming."""
     config = training_spec(manifest)
-    accelerator, model, optimizer, tokenizer = prepare_policy(manifest, config)
-    policy = accelerator.unwrap_model(model)
+    total_steps = config.max_steps * config.num_iterations * config.mini_batches
+    learner, tokenizer = prepare_policy(manifest, config, total_steps=total_steps)
+    accelerator = learner.accelerator
+    policy = accelerator.unwrap_model(learner.model)
     reference = reference_model(policy, accelerator.device) if config.beta else None
     max_model_len = manifest.model.max_model_len or policy.config.max_position_embeddings
     engine = None
@@ -322,7 +368,12 @@ def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
             max_model_len=max_model_len,
             num_processes=accelerator.num_processes,
         )
-    params = SamplingParams(max_tokens=config.max_new_tokens, temperature=config.temperature)
+    params = SamplingParams(
+        max_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+    )
     sampler = _Sampler(
         engine.backend if engine else HFBackend.from_model(policy, tokenizer), params
     )
@@ -332,7 +383,11 @@ def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
         start_step = 0
         if resume:
             start_step, rank_state = load_checkpoint(
-                output_dir, accelerator=accelerator, model=model, optimizer=optimizer
+                output_dir,
+                accelerator=accelerator,
+                model=learner.model,
+                optimizer=learner.optimizer,
+                scheduler=learner.scheduler,
             )
             collector.load_state_dict(rank_state["collector"])
         if engine is not None:
@@ -344,8 +399,23 @@ def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
         if engine is not None:
             engine.close()
         raise
-    return _Run(
-        accelerator, model, optimizer, tokenizer, reference, collector, sampler, start_step, engine
+    settings = _update_settings(manifest)
+    return _Run(learner, tokenizer, reference, collector, sampler, settings, start_step, engine)
+
+
+def _update_settings(manifest: RunManifest) -> UpdateSettings:
+    config = training_spec(manifest)
+    max_turns = getattr(manifest.env, "max_turns", None) or 1
+    return UpdateSettings(
+        loss_type=config.loss_type,
+        clip_eps=config.clip_eps,
+        beta=config.beta or 0.0,
+        temperature=config.temperature,
+        max_completion_tokens=config.max_completion_tokens or config.max_new_tokens * max_turns,
+        micro_batch_size=config.micro_batch_size,
+        num_iterations=config.num_iterations,
+        mini_batches=config.mini_batches,
+        chunk_tokens=config.logps_chunk_tokens,
     )
 
 
@@ -387,44 +457,16 @@ def _collect(run: _Run, config: TrainingSpec, seed: int) -> tuple[RolloutBatch, 
     return rollout, rewards_GN.view(-1, config.group_size)
 
 
-def _learn(run: _Run, config: TrainingSpec, batch: PolicyBatch) -> dict[str, float]:
-    """One optimizer step on the clipped surrogate (+ beta * KL to the reference)."""
-    run.model.train()
-    logps_BT = token_logps(run.model, batch.input_ids_BT, batch.attention_mask_BT)
-    policy_loss, clip_fraction = clipped_policy_loss(
-        logps_BT,
-        batch.sampling_logps_BT,
-        batch.advantages_B,
-        batch.action_mask_BT,
-        clip_eps=config.clip_eps,
-    )
-    kl = torch.zeros(())
-    if run.reference is not None:
-        with torch.no_grad():
-            ref_logps_BT = token_logps(run.reference, batch.input_ids_BT, batch.attention_mask_BT)
-        kl = approx_kl(logps_BT, ref_logps_BT, batch.action_mask_BT)
-    loss = policy_loss + (config.beta or 0.0) * kl
-    run.optimizer.zero_grad()
-    run.accelerator.backward(loss)
-    grad_norm = run.accelerator.clip_grad_norm_(run.model.parameters(), config.max_grad_norm)
-    run.optimizer.step()
-    return {
-        "loss": loss.item(),
-        "kl": kl.item(),
-        "clip_fraction": clip_fraction.item(),
-        "grad_norm": float(grad_norm),
-    }
-
-
 def _save(output_dir: Path, step: int, run: _Run) -> Path:
     return save_checkpoint(
         output_dir,
         step=step,
         accelerator=run.accelerator,
         model=run.model,
-        optimizer=run.optimizer,
+        optimizer=run.learner.optimizer,
         tokenizer=run.tokenizer,
         rank_state={"collector": run.collector.state_dict()},
+        scheduler=run.learner.scheduler,
     )
 
 

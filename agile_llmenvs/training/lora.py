@@ -61,6 +61,10 @@ class AdaptersOffReference:
     def __init__(self, policy: Any) -> None:
         self.policy = policy
 
+    def get_base_model(self) -> Any:
+        """The Hugging Face model under the adapters (what log-prob scoring hooks into)."""
+        return self.policy.get_base_model()
+
     def __call__(self, **inputs: Any) -> Any:
         """The base model's forward pass on ``inputs``."""
         was_training = self.policy.training

@@ -1,24 +1,74 @@
-"""The loop SFT and DPO share: draw a dataset batch, take one optimizer step on its loss."""
+"""The loop SFT and DPO share: draw a dataset batch, take one optimizer step on its loss.
+
+The loss of a batch is a sum over its units (SFT: response tokens; DPO: preference pairs)
+divided by their count over every process, so accumulating micro-batches of rows gives the
+whole batch's gradient.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from agile_llmenvs.specs import LLMEnvSpec, RunManifest
-from agile_llmenvs.specs.manifest import TrainingSpec
 from agile_llmenvs.training.checkpoint import load_checkpoint, save_checkpoint
 from agile_llmenvs.training.common import TrainResult, prepare_policy, training_spec
+from agile_llmenvs.training.learner import Learner, micro_batch_slices, reduce_sum
+from agile_llmenvs.training.logprobs import scored_token_logps
 from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
 
-__all__ = ["LossFn", "train_on_dataset"]
+__all__ = ["DatasetObjective", "labelled_logps", "train_on_dataset"]
 
-LossFn = Callable[[Any, Any], tuple[torch.Tensor, dict[str, float]]]
-"""(model, batch on the device) -> the loss to minimise, and extra metrics of the step."""
+
+class DatasetObjective(Protocol):
+    """What SFT and DPO each define: how a batch splits, and one micro-batch's loss."""
+
+    def rows(self, batch: Any) -> int:
+        """Rows of ``batch`` that micro-batches are cut from (DPO: pairs)."""
+        ...
+
+    def units(self, batch: Any) -> float:
+        """What the loss averages over in ``batch``: response tokens (SFT), pairs (DPO)."""
+        ...
+
+    def loss(
+        self, model: Any, batch: Any, rows: slice, total_units: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """``rows``' summed loss over ``total_units`` (every process's), and sums to log."""
+        ...
+
+    def metrics(self, sums: dict[str, float], total_units: float) -> dict[str, float]:
+        """The logged metrics from the step's summed values."""
+        ...
+
+
+def labelled_logps(
+    model: Any,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    labels_BT: torch.Tensor,
+    *,
+    chunk_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the labelled (response) tokens, the rows cut to their longest.
+
+    Returns:
+        ``(logps_BT, mask_BT)``, both ``[B, T - 1]``: position ``t`` scores token ``t + 1``.
+    """
+    width = int(attention_mask_BT.sum(dim=1).max())
+    mask_BT = labels_BT[:, 1:width] != -100
+    scored = scored_token_logps(
+        model,
+        input_ids_BT[:, :width],
+        attention_mask_BT[:, :width],
+        mask_BT,
+        chunk_tokens=chunk_tokens,
+    )
+    return scored.logps_BT, mask_BT
 
 
 def train_on_dataset(
@@ -27,7 +77,7 @@ def train_on_dataset(
     resume: bool,
     name: str,
     metric_keys: tuple[str, ...],
-    make_loss: Callable[[Any, Any], LossFn],
+    make_objective: Callable[[Any, Any], DatasetObjective],
 ) -> TrainResult:
     """Run ``max_steps`` optimizer steps over the manifest's dataset env.
 
@@ -36,20 +86,25 @@ def train_on_dataset(
         resume: Continue from the checkpoint in ``output_dir``.
         name: The progress bar's label.
         metric_keys: Columns of ``metrics.csv``: ``step``, ``loss``, ``grad_norm``,
-            ``step_time_s`` and whatever the loss function reports.
-        make_loss: Called with the loaded model and the accelerator; returns the loss function.
+            ``learning_rate``, ``step_time_s`` and whatever the objective reports.
+        make_objective: Called with the loaded model and the accelerator.
     """
     from tqdm import tqdm
 
     config = training_spec(manifest)
     output_dir = Path(config.output_dir)
-    accelerator, model, optimizer, tokenizer = prepare_policy(manifest, config)
-    loss_fn = make_loss(accelerator.unwrap_model(model), accelerator)
+    learner, tokenizer = prepare_policy(manifest, config, total_steps=config.max_steps)
+    accelerator = learner.accelerator
+    objective = make_objective(accelerator.unwrap_model(learner.model), accelerator)
     env = _dataset_env(manifest, tokenizer, accelerator)
     start_step = 0
     if resume:
         start_step, rank_state = load_checkpoint(
-            output_dir, accelerator=accelerator, model=model, optimizer=optimizer
+            output_dir,
+            accelerator=accelerator,
+            model=learner.model,
+            optimizer=learner.optimizer,
+            scheduler=learner.scheduler,
         )
         env.load_state_dict(rank_state["env"])
     main = accelerator.is_main_process
@@ -64,24 +119,27 @@ def train_on_dataset(
         )
 
     history: list[dict[str, float]] = []
-    model.train()
+    learner.model.train()
     steps = range(start_step, config.max_steps)
     for step in tqdm(
         steps, initial=start_step, total=config.max_steps, desc=name, disable=not main
     ):
         step_start = time.perf_counter()
-        loss, extra, grad_norm = _learn(env, accelerator, model, optimizer, loss_fn, config)
-        row = {"step": float(step + 1), "loss": loss, "grad_norm": grad_norm}
-        row.update(extra, step_time_s=time.perf_counter() - step_start)
+        learning_rate = learner.scheduler.get_last_lr()[0]
+        values = _learn(env.next_batch(), learner, objective, config.micro_batch_size)
+        values.update(
+            step=float(step + 1),
+            learning_rate=learning_rate,
+            step_time_s=time.perf_counter() - step_start,
+        )
+        row = {key: values[key] for key in metric_keys}
         history.append(row)
         if writer is not None:
             writer.write(row)
         if config.save_every and (step + 1) % config.save_every == 0:
-            _save(output_dir, step + 1, accelerator, model, optimizer, tokenizer, env)
+            _save(output_dir, step + 1, learner, tokenizer, env)
 
-    checkpoint_dir = _save(
-        output_dir, config.max_steps, accelerator, model, optimizer, tokenizer, env
-    )
+    checkpoint_dir = _save(output_dir, config.max_steps, learner, tokenizer, env)
     if writer is not None:
         writer.close()
     if main:
@@ -92,21 +150,24 @@ def train_on_dataset(
 
 
 def _learn(
-    env: Any,
-    accelerator: Any,
-    model: Any,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: LossFn,
-    config: TrainingSpec,
-) -> tuple[float, dict[str, float], float]:
-    """One optimizer step on the env's next batch: the loss, its extra metrics, the grad norm."""
-    batch = env.next_batch().to(accelerator.device)
-    loss, extra = loss_fn(model, batch)
-    optimizer.zero_grad()
-    accelerator.backward(loss)
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-    optimizer.step()
-    return loss.item(), extra, float(grad_norm)
+    batch: Any, learner: Learner, objective: DatasetObjective, micro_batch_size: int | None
+) -> dict[str, float]:
+    """One optimizer step on ``batch``, accumulated over micro-batches of its rows."""
+    batch = batch.to(learner.accelerator.device)
+    (total_units,) = reduce_sum(learner.accelerator, [objective.units(batch)])
+    sums: dict[str, float] = {}
+
+    def loss_of(rows: slice) -> torch.Tensor:
+        loss, values = objective.loss(learner.model, batch, rows, total_units)
+        for key, value in {"loss": float(loss.detach()), **values}.items():
+            sums[key] = sums.get(key, 0.0) + value
+        return loss
+
+    micro_batches = micro_batch_slices(objective.rows(batch), micro_batch_size)
+    grad_norm = learner.step(micro_batches, loss_of)
+    keys = sorted(sums)
+    sums = dict(zip(keys, reduce_sum(learner.accelerator, [sums[k] for k in keys]), strict=True))
+    return {"loss": sums["loss"], "grad_norm": grad_norm, **objective.metrics(sums, total_units)}
 
 
 def _dataset_env(manifest: RunManifest, tokenizer: Any, accelerator: Any) -> Any:
@@ -126,21 +187,14 @@ def _dataset_env(manifest: RunManifest, tokenizer: Any, accelerator: Any) -> Any
     )
 
 
-def _save(
-    output_dir: Path,
-    step: int,
-    accelerator: Any,
-    model: Any,
-    optimizer: torch.optim.Optimizer,
-    tokenizer: Any,
-    env: Any,
-) -> Path:
+def _save(output_dir: Path, step: int, learner: Learner, tokenizer: Any, env: Any) -> Path:
     return save_checkpoint(
         output_dir,
         step=step,
-        accelerator=accelerator,
-        model=model,
-        optimizer=optimizer,
+        accelerator=learner.accelerator,
+        model=learner.model,
+        optimizer=learner.optimizer,
         tokenizer=tokenizer,
         rank_state={"env": env.state_dict()},
+        scheduler=learner.scheduler,
     )

@@ -38,7 +38,8 @@ class _Policies:
 
         def recording(*args: Any, **kwargs: Any) -> Any:
             prepared = real(*args, **kwargs)
-            self.models.append(prepared[0].unwrap_model(prepared[1]))
+            learner = prepared[0]
+            self.models.append(learner.accelerator.unwrap_model(learner.model))
             return prepared
 
         monkeypatch.setattr(module, "prepare_policy", recording)

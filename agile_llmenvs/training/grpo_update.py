@@ -1,0 +1,309 @@
+"""GRPO's learning phase: ``num_iterations`` passes over a collected batch, each split into
+``mini_batches`` optimizer steps, each accumulated over micro-batches of rows.
+
+The behaviour policy is the sampler: its log-probs (at the sampling temperature) are the
+denominator of every importance ratio, in every pass, so the clip engages from the second
+optimizer step on. Rows without sampler log-probs are scored by the policy itself, once,
+before the first update.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from agile_llmenvs.training.learner import Learner, micro_batch_slices, reduce_sum
+from agile_llmenvs.training.logprobs import scored_token_logps
+from agile_llmenvs.training.losses import (
+    LossType,
+    TokenCounts,
+    policy_token_loss,
+    token_weights,
+)
+
+__all__ = ["GRPO_UPDATE_METRICS", "PolicyBatch", "UpdateSettings", "grpo_update"]
+
+#: The metrics :func:`grpo_update` returns.
+GRPO_UPDATE_METRICS = (
+    "loss",
+    "kl",
+    "clip_fraction",
+    "ratio_mean",
+    "ratio_max",
+    "entropy",
+    "grad_norm",
+)
+
+
+@dataclass(frozen=True)
+class PolicyBatch:
+    """One rank's rollouts as right-padded training tensors; one row per token sample.
+
+    Attributes:
+        input_ids_BT: Each sample's token ids, then pad ids.
+        attention_mask_BT: 1 on the sample's tokens.
+        action_mask_BT: ``[B, T - 1]``; True where the next token was sampled by the policy.
+        sampling_logps_BT: ``[B, T - 1]``; the sampler's log-prob of that token (0 off the
+            mask; NaN where the sampler gave none).
+        advantages_B: The advantage of the episode each row belongs to.
+    """
+
+    input_ids_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    action_mask_BT: torch.Tensor
+    sampling_logps_BT: torch.Tensor
+    advantages_B: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        """Rows (token samples) in the batch."""
+        return int(self.input_ids_BT.shape[0])
+
+    def to(self, device: torch.device | str) -> PolicyBatch:
+        """The same batch on ``device``."""
+        return PolicyBatch(*(tensor.to(device) for tensor in self._tensors()))
+
+    def select(self, rows: slice) -> PolicyBatch:
+        """``rows`` of the batch, cut to the longest of them."""
+        width = int(self.attention_mask_BT[rows].sum(dim=1).max().item()) if self.rows else 2
+        return PolicyBatch(
+            self.input_ids_BT[rows, :width],
+            self.attention_mask_BT[rows, :width],
+            self.action_mask_BT[rows, : width - 1],
+            self.sampling_logps_BT[rows, : width - 1],
+            self.advantages_B[rows],
+        )
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.input_ids_BT,
+            self.attention_mask_BT,
+            self.action_mask_BT,
+            self.sampling_logps_BT,
+            self.advantages_B,
+        )
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """What shapes a GRPO update (the manifest's ``training`` fields of the same names).
+
+    Attributes:
+        loss_type: How per-token losses are averaged.
+        clip_eps: The ratio is clipped to ``1 +- clip_eps``.
+        beta: The k3 KL coefficient (0: no reference).
+        temperature: The sampling temperature; logits are divided by it when scoring.
+        max_completion_tokens: ``dr_grpo``'s constant.
+        micro_batch_size: Rows per forward/backward (``None``: a mini-batch at once).
+        num_iterations: Passes over the batch.
+        mini_batches: Optimizer steps per pass.
+        chunk_tokens: Scored positions whose logits are held at once.
+    """
+
+    loss_type: LossType = "dapo"
+    clip_eps: float = 0.2
+    beta: float = 0.0
+    temperature: float = 1.0
+    max_completion_tokens: int = 1
+    micro_batch_size: int | None = None
+    num_iterations: int = 1
+    mini_batches: int = 1
+    chunk_tokens: int = 256
+
+
+@dataclass
+class _Totals:
+    """Sums over the update's micro-batches, on this process."""
+
+    loss: float = 0.0
+    tokens: float = 0.0
+    clipped: float = 0.0
+    ratio: float = 0.0
+    ratio_max: float = 0.0
+    first_tokens: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    step_losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+
+
+def grpo_update(
+    learner: Learner, batch: PolicyBatch, settings: UpdateSettings, reference: Any = None
+) -> dict[str, float]:
+    """Learn from one collected batch: every pass, every mini-batch, one optimizer step.
+
+    Args:
+        learner: The policy, its optimizer and schedule.
+        batch: This process's rows, on the learner's device.
+        settings: Loss type, clip, passes, mini-batches, micro-batch size.
+        reference: The frozen reference of the KL term (``None`` when ``beta`` is 0).
+
+    Returns:
+        :data:`GRPO_UPDATE_METRICS`, over every process: ``loss`` and ``grad_norm`` are means
+        over the optimizer steps; ``clip_fraction`` and the ratio's mean and max are over
+        every sampled token of every pass; ``kl`` and ``entropy`` are token means of the
+        first pass.
+    """
+    learner.model.train()
+    batch = _with_behaviour_logps(learner.model, batch, settings)
+    ref_logps_BT = _score(reference, batch, settings) if reference is not None else None
+    totals = _Totals()
+    for iteration in range(settings.num_iterations):
+        for rows in _mini_batch_rows(batch.rows, settings.mini_batches):
+            counts = _token_counts(learner.accelerator, batch, rows, settings)
+            if counts.tokens == 0:  # every process sees the same count, and skips together
+                continue
+            loss_of = partial(
+                _micro_loss,
+                learner.model,
+                batch,
+                counts=counts,
+                settings=settings,
+                ref_logps_BT=ref_logps_BT,
+                totals=totals,
+                first=iteration == 0,
+            )
+            loss_before = totals.loss
+            micro_batches = [
+                slice(rows.start + micro.start, rows.start + micro.stop)
+                for micro in micro_batch_slices(rows.stop - rows.start, settings.micro_batch_size)
+            ]
+            totals.grad_norms.append(learner.step(micro_batches, loss_of))
+            totals.step_losses.append(totals.loss - loss_before)
+    return _metrics(learner.accelerator, totals)
+
+
+def _micro_loss(
+    model: Any,
+    batch: PolicyBatch,
+    rows: slice,
+    *,
+    counts: TokenCounts,
+    settings: UpdateSettings,
+    ref_logps_BT: torch.Tensor | None,
+    totals: _Totals,
+    first: bool,
+) -> torch.Tensor:
+    """One micro-batch's share of the global loss, recording its statistics in ``totals``."""
+    micro = batch.select(rows)
+    scored = scored_token_logps(
+        model,
+        micro.input_ids_BT,
+        micro.attention_mask_BT,
+        micro.action_mask_BT,
+        temperature=settings.temperature,
+        chunk_tokens=settings.chunk_tokens,
+        with_entropy=first,
+    )
+    ref = None
+    if ref_logps_BT is not None:
+        ref = ref_logps_BT[rows, : micro.action_mask_BT.shape[1]]
+    token_loss = policy_token_loss(
+        scored.logps_BT,
+        micro.sampling_logps_BT,
+        micro.advantages_B,
+        clip_eps=settings.clip_eps,
+        ref_logps_BT=ref,
+        beta=settings.beta,
+    )
+    mask = micro.action_mask_BT
+    weights_BT = token_weights(settings.loss_type, mask, counts)
+    totals.tokens += float(mask.sum())
+    totals.clipped += float(token_loss.clipped_BT[mask].sum())
+    totals.ratio += float(token_loss.ratio_BT[mask].sum())
+    if mask.any():
+        totals.ratio_max = max(totals.ratio_max, float(token_loss.ratio_BT[mask].max()))
+    if first:
+        assert scored.entropy_BT is not None
+        totals.first_tokens += float(mask.sum())
+        totals.kl += float(token_loss.kl_BT[mask].sum())
+        totals.entropy += float(scored.entropy_BT[mask].sum())
+    loss = (token_loss.loss_BT * weights_BT).sum()
+    totals.loss += float(loss.detach())
+    return loss
+
+
+def _with_behaviour_logps(model: Any, batch: PolicyBatch, settings: UpdateSettings) -> PolicyBatch:
+    """``batch`` with the policy's own log-probs where the sampler gave none (NaN)."""
+    missing_BT = batch.sampling_logps_BT.isnan() & batch.action_mask_BT
+    if not missing_BT.any():
+        return batch
+    own_BT = _score(model, batch, settings)
+    sampling_BT = torch.where(missing_BT, own_BT, batch.sampling_logps_BT)
+    return PolicyBatch(
+        batch.input_ids_BT,
+        batch.attention_mask_BT,
+        batch.action_mask_BT,
+        sampling_BT,
+        batch.advantages_B,
+    )
+
+
+def _score(model: Any, batch: PolicyBatch, settings: UpdateSettings) -> torch.Tensor:
+    """``model``'s log-probs of the batch's sampled tokens, ``[B, T - 1]``, without gradients."""
+    out_BT = torch.zeros_like(batch.sampling_logps_BT)
+    with torch.no_grad():
+        for rows in micro_batch_slices(batch.rows, settings.micro_batch_size):
+            micro = batch.select(rows)
+            scored = scored_token_logps(
+                model,
+                micro.input_ids_BT,
+                micro.attention_mask_BT,
+                micro.action_mask_BT,
+                temperature=settings.temperature,
+                chunk_tokens=settings.chunk_tokens,
+            )
+            out_BT[rows, : scored.logps_BT.shape[1]] = scored.logps_BT
+    return out_BT
+
+
+def _mini_batch_rows(rows: int, mini_batches: int) -> list[slice]:
+    """``mini_batches`` consecutive slices of ``rows`` (sizes differ by at most one)."""
+    bounds = np.linspace(0, rows, mini_batches + 1).round().astype(int)
+    return [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
+
+
+def _token_counts(
+    accelerator: Any, batch: PolicyBatch, rows: slice, settings: UpdateSettings
+) -> TokenCounts:
+    """The normalising counts of one optimizer step's rows, over every process."""
+    local_tokens = float(batch.action_mask_BT[rows].sum())
+    global_rows, global_tokens = reduce_sum(accelerator, [rows.stop - rows.start, local_tokens])
+    return TokenCounts(
+        rows=int(global_rows),
+        tokens=int(global_tokens),
+        local_tokens=int(local_tokens),
+        processes=accelerator.num_processes,
+        max_completion_tokens=settings.max_completion_tokens,
+    )
+
+
+def _metrics(accelerator: Any, totals: _Totals) -> dict[str, float]:
+    steps = len(totals.step_losses)
+    sums = [
+        totals.tokens,
+        totals.clipped,
+        totals.ratio,
+        totals.first_tokens,
+        totals.kl,
+        totals.entropy,
+        *totals.step_losses,
+    ]
+    tokens, clipped, ratio, first_tokens, kl, entropy, *losses = reduce_sum(accelerator, sums)
+    ratio_max = torch.tensor(totals.ratio_max, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        torch.distributed.all_reduce(ratio_max, op=torch.distributed.ReduceOp.MAX)
+    return {
+        "loss": sum(losses) / max(steps, 1),
+        "kl": kl / max(first_tokens, 1.0),
+        "clip_fraction": clipped / max(tokens, 1.0),
+        "ratio_mean": ratio / max(tokens, 1.0),
+        "ratio_max": float(ratio_max),
+        "entropy": entropy / max(first_tokens, 1.0),
+        "grad_norm": sum(totals.grad_norms) / max(steps, 1),
+    }

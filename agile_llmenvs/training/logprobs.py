@@ -1,0 +1,148 @@
+"""Log-probs of the scored tokens only, never a ``[B, T, V]`` tensor.
+
+A causal LM's forward normally ends in ``lm_head`` over every position; at a real vocabulary
+(151,936 for Qwen2) that one fp32 tensor is the largest thing in a learning step. Here the
+decoder runs as usual (through the model's own ``forward``, so DDP and mixed precision see the
+call), its last hidden state is caught on the way out, and the output layer is applied only to
+the positions a loss scores, a chunk of ``chunk_tokens`` at a time, with a log-sum-exp. Each
+chunk is checkpointed: its logits are recomputed in the backward pass instead of kept, so the
+peak is ``O(chunk_tokens x V)`` whatever the batch size or sequence length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["DEFAULT_CHUNK_TOKENS", "ScoredLogps", "scored_token_logps"]
+
+#: Positions whose logits are held at once: 256 x 151,936 fp32 logits are 156 MB.
+DEFAULT_CHUNK_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class ScoredLogps:
+    """Per-position values, ``[B, T - 1]``, zero where a position is not scored.
+
+    Attributes:
+        logps_BT: ``log softmax(logits / temperature)`` of the next token; carries the gradient.
+        entropy_BT: The entropy of that distribution (detached), when asked for.
+    """
+
+    logps_BT: torch.Tensor
+    entropy_BT: torch.Tensor | None = None
+
+
+def scored_token_logps(
+    model: Any,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    score_mask_BT: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    with_entropy: bool = False,
+) -> ScoredLogps:
+    """Log-probability of each scored next token under ``model``.
+
+    Position ``t`` scores ``input_ids_BT[:, t + 1]`` (the harness's next-token aligned masks).
+
+    Args:
+        model: A Hugging Face causal LM, or that model wrapped by DDP / ``accelerate`` / peft.
+        input_ids_BT: Right-padded token ids.
+        attention_mask_BT: 1 on real tokens.
+        score_mask_BT: ``[B, T - 1]``; True where the next token is scored (the action mask for
+            GRPO, the labelled positions for SFT and DPO).
+        temperature: Logits are divided by it before the softmax (the sampler's temperature).
+        chunk_tokens: Scored positions whose logits are computed at once.
+        with_entropy: Also return each scored position's entropy (no gradient).
+    """
+    hidden_BTH = _last_hidden_state(model, input_ids_BT, attention_mask_BT)
+    output_layer = _unwrap(model).get_output_embeddings()
+    positions = score_mask_BT.nonzero(as_tuple=True)
+    hidden_NH = hidden_BTH[:, :-1][positions]
+    targets_N = input_ids_BT[:, 1:][positions]
+    logps, entropies = [], []
+    for start in range(0, targets_N.shape[0], chunk_tokens):
+        chunk = slice(start, start + chunk_tokens)
+        args = (hidden_NH[chunk], targets_N[chunk], output_layer.weight, output_layer.bias)
+        if torch.is_grad_enabled():
+            logp_N, entropy_N = checkpoint(
+                _chunk_logps, *args, temperature, with_entropy, use_reentrant=False
+            )
+        else:
+            logp_N, entropy_N = _chunk_logps(*args, temperature, with_entropy)
+        logps.append(logp_N)
+        entropies.append(entropy_N)
+    logps_BT = _scatter(logps, score_mask_BT, hidden_BTH)
+    entropy_BT = _scatter(entropies, score_mask_BT, hidden_BTH).detach() if with_entropy else None
+    return ScoredLogps(logps_BT, entropy_BT)
+
+
+def _chunk_logps(
+    hidden_NH: torch.Tensor,
+    targets_N: torch.Tensor,
+    weight_VH: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits_NV = torch.nn.functional.linear(hidden_NH, weight_VH, bias_V).float()
+    if temperature != 1.0:
+        logits_NV = logits_NV / temperature
+    logsumexp_N = torch.logsumexp(logits_NV, dim=-1)
+    logp_N = logits_NV.gather(-1, targets_N[:, None])[:, 0] - logsumexp_N
+    if not with_entropy:
+        return logp_N, logp_N.new_zeros(())
+    with torch.no_grad():
+        probs_NV = torch.softmax(logits_NV, dim=-1)
+        entropy_N = logsumexp_N - (probs_NV * logits_NV).sum(dim=-1)
+    return logp_N, entropy_N
+
+
+def _scatter(values: list[torch.Tensor], mask_BT: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The chunks' values laid back onto ``mask_BT``'s True positions, zero elsewhere."""
+    out_BT = torch.zeros(mask_BT.shape, dtype=torch.float32, device=like.device)
+    if values:
+        out_BT = out_BT.masked_scatter(mask_BT, torch.cat(values))
+    return out_BT
+
+
+def _last_hidden_state(
+    model: Any, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor
+) -> torch.Tensor:
+    """The decoder's final (normed) hidden state, caught by a hook while ``model`` itself runs.
+
+    Calling ``model`` (not its inner decoder) keeps DDP's and ``accelerate``'s autocast
+    wrappers in the path; ``logits_to_keep=1`` makes its own output layer run on one
+    position only.
+    """
+    caught: list[torch.Tensor] = []
+
+    def catch(_module: Any, _inputs: Any, output: Any) -> None:
+        caught.append(
+            output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        )
+
+    handle = _unwrap(model).get_decoder().register_forward_hook(catch)
+    try:
+        model(
+            input_ids=input_ids_BT,
+            attention_mask=attention_mask_BT,
+            logits_to_keep=1,
+            use_cache=False,
+        )
+    finally:
+        handle.remove()
+    return caught[-1]
+
+
+def _unwrap(model: Any) -> Any:
+    """The Hugging Face model inside DDP / FSDP (``.module``) and peft wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model

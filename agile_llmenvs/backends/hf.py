@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agile_llmenvs.backends.local import LocalChatBackend, cut_at_stop
 from agile_llmenvs.backends.types import Generation, SamplingParams
+
+if TYPE_CHECKING:
+    from agile_llmenvs.backends._hf_sampling import SampledLogprobs
 
 __all__ = ["HFBackend", "HFConfig"]
 
@@ -32,8 +35,14 @@ class HFBackend(LocalChatBackend):
     """A ``transformers`` model that generates a whole batch in one ``generate`` call.
 
     Prompts are left-padded with an attention mask, so every row continues right after its
-    own prompt. Log-probs are those of the model's own distribution (temperature 1, before
-    top-p/top-k), as vLLM reports them, which is what policy-gradient losses need.
+    own prompt. Tokens are sampled from ``softmax(logits / temperature)`` truncated to top-k,
+    then top-p. The log-prob recorded for each sampled token is
+    ``log_softmax(logits / temperature)`` over the full vocabulary: the temperature is in it,
+    the top-k / top-p truncation is not (nothing is renormalised), which is what a trainer
+    scoring the sampled ids at the sampler's temperature computes. Greedy decoding records
+    temperature-1 log-probs. Only one step's ``[B, V]`` log-probs are held at a time.
+    (``logits`` are the model's own unless its ``generation_config`` adds a processor, such
+    as a repetition penalty, which then shapes both what is sampled and what is recorded.)
 
     Args:
         model_path: A local directory (or hub name, when the hub is reachable) of the model.
@@ -86,26 +95,25 @@ class HFBackend(LocalChatBackend):
             One :class:`Generation` per prompt, in order.
         """
         import torch
+        from transformers import LogitsProcessorList
 
         if not prompts:
             return []
         input_ids, attention_mask = self._left_pad(prompts)
+        sampler = _sampler(params)
         with torch.random.fork_rng(devices=[]), torch.inference_mode():
             if params.seed is not None:
                 torch.manual_seed(params.seed)
-            out = self.model.generate(
+            # Without return_dict_in_generate only the ids come back: no per-step logits, and
+            # no KV cache kept alive past the call.
+            sequences = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
+                logits_processor=LogitsProcessorList([sampler]),
                 **self._generate_kwargs(params),
             )
-            new_ids = out.sequences[:, input_ids.shape[1] :]
-            logprobs = torch.stack(
-                [
-                    torch.log_softmax(step.float(), dim=-1).gather(-1, new_ids[:, t, None])[:, 0]
-                    for t, step in enumerate(out.logits)
-                ],
-                dim=1,
-            )
+            new_ids = sequences[:, input_ids.shape[1] :]
+            logprobs = sampler.logprobs(sequences, input_ids.shape[1])
         return [
             self._finish(ids, lps, params)
             for ids, lps in zip(new_ids.tolist(), logprobs.tolist(), strict=True)
@@ -128,20 +136,16 @@ class HFBackend(LocalChatBackend):
     def _generate_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
             "max_new_tokens": params.max_tokens,
-            "return_dict_in_generate": True,
-            "output_logits": True,
             "pad_token_id": self._pad_id,
             "eos_token_id": sorted(self._eos_ids),
         }
         if params.greedy:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         else:
-            kwargs.update(
-                do_sample=True,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k or 0,
-            )
+            # The sampler applies temperature, top-k and top-p itself; these values (which
+            # override the model's generation_config) make transformers add no warper of
+            # its own, so the distribution sampled is exactly the one the sampler records.
+            kwargs.update(do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
         if params.stop:
             kwargs.update(stop_strings=list(params.stop), tokenizer=self._tokenizer)
         return kwargs
@@ -154,3 +158,12 @@ class HFBackend(LocalChatBackend):
             text=text,
             finish_reason="stop" if stopped else "length",
         )
+
+
+def _sampler(params: SamplingParams) -> SampledLogprobs:
+    """The logits processor that samples as ``params`` ask and records the log-probs."""
+    from agile_llmenvs.backends._hf_sampling import SampledLogprobs
+
+    if params.greedy:  # argmax needs no shaping; its log-probs are at temperature 1
+        return SampledLogprobs()
+    return SampledLogprobs(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)

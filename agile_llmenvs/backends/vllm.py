@@ -13,11 +13,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from packaging.version import InvalidVersion, Version
+
 from agile_llmenvs.backends.local import LocalChatBackend
 from agile_llmenvs.backends.types import FinishReason, Generation, SamplingParams
 from agile_llmenvs.errors import OptionalDependencyError
 
 _SEED_STRIDE = 1 << 16  # requests per generate call, at most, with seeds of their own
+# From this release (vllm-project/vllm#22387) ``processed_logprobs`` are taken after the
+# temperature (and top-k / top-p); before it they were not, and before 0.10.0 the engine
+# argument did not exist.
+_PROCESSED_LOGPROBS_SINCE = Version("0.10.2")
 
 __all__ = ["VLLMBackend", "VLLMConfig"]
 
@@ -49,6 +55,13 @@ class VLLMBackend(LocalChatBackend):
     Prompts go in as token ids (``TokensPrompt``), and each result carries the sampled ids
     and the log-prob of each, so rollouts are token-exact.
 
+    From vLLM 0.10.2 the engine is started with ``logprobs_mode="processed_logprobs"`` (unless
+    ``config.extra`` sets one), so the log-prob recorded is that of the distribution sampled:
+    ``log_softmax(logits / temperature)``, over the tokens top-k / top-p keep (renormalised
+    over them). Without top-k / top-p that is :class:`~agile_llmenvs.backends.HFBackend`'s
+    value, and the trainer's; with them it is higher by ``-log`` of the mass kept. Greedy
+    decoding records temperature-1 log-probs. Older vLLM records temperature-1 log-probs.
+
     Args:
         model_path: A local model directory (or hub name, when the hub is reachable).
         config: Engine settings.
@@ -71,7 +84,7 @@ class VLLMBackend(LocalChatBackend):
             gpu_memory_utilization=config.gpu_memory_utilization,
             enforce_eager=config.enforce_eager,
             seed=config.seed,
-            **dict(config.extra),
+            **_engine_extra(vllm.__version__, config.extra),
         )
 
     @property
@@ -139,3 +152,15 @@ class VLLMBackend(LocalChatBackend):
             if callable(shutdown):
                 shutdown()
                 return
+
+
+def _engine_extra(vllm_version: str, extra: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    """``extra`` plus ``logprobs_mode="processed_logprobs"`` where this vLLM has it right."""
+    kwargs = dict(extra)
+    try:
+        supported = Version(vllm_version) >= _PROCESSED_LOGPROBS_SINCE
+    except InvalidVersion:
+        supported = False
+    if supported:
+        kwargs.setdefault("logprobs_mode", "processed_logprobs")
+    return kwargs

@@ -67,16 +67,84 @@ def test_left_padded_batch_matches_each_prompt_alone(hf_backend: HFBackend) -> N
         assert together.generation.logprobs == pytest.approx(alone.generation.logprobs, abs=1e-4)
 
 
+def _scored_logprobs(
+    backend: HFBackend, prompt: list[int], completion: tuple[int, ...], temperature: float
+) -> list[float]:
+    """``log_softmax(logits / temperature)`` of each completion id, from one plain forward."""
+    full_1L = torch.tensor([prompt + list(completion)])
+    with torch.no_grad():
+        logits_LV = backend.model(full_1L).logits[0].float()
+    logps_LV = torch.log_softmax(logits_LV / temperature, dim=-1)
+    positions = range(len(prompt) - 1, full_1L.shape[1] - 1)
+    return [logps_LV[p, full_1L[0, p + 1]].item() for p in positions]
+
+
 def test_logprobs_are_the_models_own_for_the_sampled_ids(hf_backend: HFBackend) -> None:
     prompt = hf_backend.encode_chat(CONVERSATIONS[0])
     (generation,) = hf_backend.generate([prompt], SamplingParams(max_tokens=5, seed=11))
-    full = torch.tensor([prompt + list(generation.token_ids)])
-    with torch.no_grad():
-        logits = hf_backend.model(full).logits[0].float()
-    positions = range(len(prompt) - 1, full.shape[1] - 1)
-    expected = [torch.log_softmax(logits[p], dim=-1)[full[0, p + 1]].item() for p in positions]
+    expected = _scored_logprobs(hf_backend, prompt, generation.token_ids, 1.0)
     assert len(generation.logprobs) == len(generation.token_ids)
     assert list(generation.logprobs) == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_logprobs_are_those_of_the_temperature_scaled_logits(
+    hf_backend: HFBackend, seed: int
+) -> None:
+    prompt = hf_backend.encode_chat(CONVERSATIONS[2])
+    params = SamplingParams(max_tokens=8, temperature=0.5, top_p=1.0, seed=seed)
+    (generation,) = hf_backend.generate([prompt], params)
+    expected = _scored_logprobs(hf_backend, prompt, generation.token_ids, 0.5)
+    assert len(generation.token_ids) >= 1
+    assert list(generation.logprobs) == pytest.approx(expected, abs=1e-5)
+    unscaled = _scored_logprobs(hf_backend, prompt, generation.token_ids, 1.0)
+    assert list(generation.logprobs) != pytest.approx(unscaled, abs=1e-3)
+
+
+def test_top_p_sampling_records_full_vocabulary_scaled_logprobs_reproducibly(
+    hf_backend: HFBackend,
+) -> None:
+    prompts = [hf_backend.encode_chat(m) for m in CONVERSATIONS]
+    params = SamplingParams(max_tokens=10, temperature=0.7, top_p=0.9, seed=5)
+    first = hf_backend.generate(prompts, params)
+    for prompt, generation in zip(prompts, first, strict=True):
+        expected = _scored_logprobs(hf_backend, prompt, generation.token_ids, 0.7)
+        assert list(generation.logprobs) == pytest.approx(expected, abs=1e-5)
+    assert hf_backend.generate(prompts, params) == first
+
+
+def test_truncation_is_not_renormalised_into_the_logprobs(hf_backend: HFBackend) -> None:
+    prompt = hf_backend.encode_chat(CONVERSATIONS[1])
+    greedy = hf_backend.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))
+    params = SamplingParams(max_tokens=6, temperature=0.8, top_k=1, seed=0)
+    (top_1,) = hf_backend.generate([prompt], params)
+    assert top_1.token_ids == greedy[0].token_ids  # one token kept: the argmax, every step
+    expected = _scored_logprobs(hf_backend, prompt, top_1.token_ids, 0.8)
+    assert list(top_1.logprobs) == pytest.approx(expected, abs=1e-5)
+    assert max(top_1.logprobs) < -1e-3  # renormalised over one token, each would be 0.0
+
+
+def test_generate_keeps_no_per_step_logits_and_adds_no_warpers(
+    hf_backend: HFBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[dict[str, Any]] = []
+    real = hf_backend.model.generate
+
+    def spied(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf_backend.model, "generate", spied)
+    prompt = hf_backend.encode_chat(CONVERSATIONS[0])
+    params = SamplingParams(max_tokens=3, temperature=0.7, top_p=0.9, top_k=5, seed=1)
+    hf_backend.generate([prompt], params)
+    hf_backend.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))
+    for kwargs in calls:
+        for flag in ("output_logits", "output_scores", "return_dict_in_generate"):
+            assert not kwargs.get(flag), flag
+        assert len(kwargs["logits_processor"]) == 1
+    sampled = calls[0]
+    assert (sampled["temperature"], sampled["top_p"], sampled["top_k"]) == (1.0, 1.0, 0)
 
 
 def test_sampling_ends_at_eos_or_the_token_budget(hf_backend: HFBackend) -> None:

@@ -130,7 +130,8 @@ def test_clipped_gradient_is_zero_and_on_policy_gradient_is_advantage_weighted()
     policy_token_loss(
         clipped, torch.zeros(1, 1), torch.tensor([1.0]), clip_eps=0.2
     ).loss_BT.sum().backward()
-    assert clipped.grad is not None and clipped.grad.item() == 0.0
+    assert clipped.grad is not None
+    assert clipped.grad.item() == 0.0
 
 
 def test_kl_term_is_added_per_token_with_beta() -> None:

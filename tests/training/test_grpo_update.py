@@ -1,0 +1,97 @@
+"""A GRPO update is the same whatever the micro-batch size and the number of processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from training.update_cases import update_delta
+
+from agile_llmenvs.training.grpo_update import UpdateSettings
+
+HERE = Path(__file__).resolve().parent
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+
+
+def _relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_micro_batches_give_the_whole_batch_update(tiny_model_dir: Path, loss_type: str) -> None:
+    accelerator = Accelerator(cpu=True)
+    settings = UpdateSettings(loss_type=loss_type, max_completion_tokens=20, beta=0.05)  # type: ignore[arg-type]
+    whole, metrics = update_delta(tiny_model_dir, settings, accelerator=accelerator, reference=True)
+    assert whole.abs().max() > 1e-4  # the update is not empty
+    assert 0.0 < metrics["clip_fraction"] < 1.0  # the noisy ratios engage the clip
+    for micro_batch_size in (1, 3):
+        split = UpdateSettings(
+            loss_type=loss_type,  # type: ignore[arg-type]
+            max_completion_tokens=20,
+            beta=0.05,
+            micro_batch_size=micro_batch_size,
+        )
+        delta, split_metrics = update_delta(
+            tiny_model_dir, split, accelerator=accelerator, reference=True
+        )
+        assert _relative_difference(delta, whole) < 1e-5, micro_batch_size
+        for key in ("loss", "kl", "clip_fraction", "ratio_mean", "ratio_max", "entropy"):
+            assert split_metrics[key] == pytest.approx(metrics[key], rel=1e-5), key
+
+
+def test_loss_types_weigh_tokens_differently(tiny_model_dir: Path) -> None:
+    accelerator = Accelerator(cpu=True)
+    deltas = [
+        update_delta(
+            tiny_model_dir,
+            UpdateSettings(loss_type=t, max_completion_tokens=20),  # type: ignore[arg-type]
+            accelerator=accelerator,
+        )[0]
+        for t in LOSS_TYPES
+    ]
+    # on one process bnpo is dapo (both: 1 / this batch's tokens); the others all differ
+    assert _relative_difference(deltas[3], deltas[1]) < 1e-6
+    for i, j in ((0, 1), (0, 2), (1, 2)):
+        assert _relative_difference(deltas[i], deltas[j]) > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
+@pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo", "grpo"])
+def test_two_processes_give_the_one_process_update(
+    tiny_model_dir: Path, tmp_path: Path, loss_type: str
+) -> None:
+    output = tmp_path / "delta"
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(HERE / "distributed_update.py"),
+        str(tiny_model_dir),
+        loss_type,
+        str(output),
+    ]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [torch.load(f"{output}.rank{r}", weights_only=False) for r in (0, 1)]
+    assert torch.equal(ranks[0]["delta"], ranks[1]["delta"])  # the ranks stay identical
+    single = UpdateSettings(loss_type=loss_type, max_completion_tokens=20)  # type: ignore[arg-type]
+    whole, metrics = update_delta(tiny_model_dir, single, accelerator=Accelerator(cpu=True))
+    assert _relative_difference(ranks[0]["delta"], whole) < 1e-5
+    assert ranks[0]["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-5)

@@ -70,6 +70,7 @@ def _at_least(bound: float) -> Target:
 
 _HARNESS = "harness cost per turn over `tokenizer.encode` of the observation, turn"
 _API = "256 API requests at `max_concurrency=64`, 100 ms server latency, over the ideal 0.4 s"
+_MEMORY = "Qwen2.5-0.5B width, 4 layers, 1,024 tokens, CPU fp32:"
 _STEP = "GRPO step of the quick start (8 groups x 8, 8 tokens), median"
 
 FIGURES: dict[str, tuple[Figure, ...]] = {
@@ -149,6 +150,31 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
             "same batch, the `anthropic` SDK's own `post` under a bare semaphore (reference)",
         ),
         Figure("api.aiohttp_ratio", "same batch, plain `aiohttp` without an SDK (reference)"),
+    ),
+    "train_memory": tuple(
+        figure
+        for algorithm in ("grpo", "sft")
+        for figure in (
+            Figure(
+                f"{algorithm}.peak_gb_large",
+                f"{_MEMORY} {algorithm.upper()} step, 32 samples: peak above weights + grads"
+                " + AdamW",
+                unit=" GB",
+                target=_at_most(3.0),
+                detail="8 samples: {" + algorithm + ".peak_gb_small} GB",
+            ),
+            Figure(
+                f"{algorithm}.peak_ratio",
+                f"{_MEMORY} {algorithm.upper()} step: peak at 32 samples over peak at 8",
+                target=_at_most(1.1),
+            ),
+            Figure(
+                f"{algorithm}.throughput_ratio",
+                f"{_MEMORY} {algorithm.upper()} step: learning tokens/s over a bare forward"
+                " + backward",
+                target=_at_least(0.85),
+            ),
+        )
     ),
     "train_step": (
         Figure(

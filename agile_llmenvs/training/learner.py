@@ -65,20 +65,37 @@ class Learner:
         return float(grad_norm)
 
     def _sum_gradients(self) -> None:
-        """Sum every trainable parameter's gradient over processes, in one flat buffer."""
+        """Sum every trainable parameter's gradient over processes, a bucket at a time."""
         if self.accelerator.num_processes == 1:
             return
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for param in params:
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for param in self.model.parameters():
+            if not param.requires_grad:
+                continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        grads = [param.grad for param in params]
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
-        torch.distributed.all_reduce(flat)
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+            bucket.append(param.grad)
+            size += param.grad.numel()
+            if size >= _BUCKET_ELEMENTS:
+                _all_reduce_sum(bucket)
+                bucket, size = [], 0
+        if bucket:
+            _all_reduce_sum(bucket)
+
+
+#: Gradient elements summed in one collective (128 MB of fp32).
+_BUCKET_ELEMENTS = 1 << 25
+
+
+def _all_reduce_sum(grads: list[torch.Tensor]) -> None:
+    """Sum ``grads`` over processes in place, through one flat buffer."""
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    torch.distributed.all_reduce(flat)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
 
 
 def micro_batch_slices(rows: int, micro_batch_size: int | None) -> list[slice]:

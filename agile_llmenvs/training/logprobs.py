@@ -4,9 +4,9 @@ A causal LM's forward normally ends in ``lm_head`` over every position; at a rea
 (151,936 for Qwen2) that one fp32 tensor is the largest thing in a learning step. Here the
 decoder runs as usual (through the model's own ``forward``, so DDP and mixed precision see the
 call), its last hidden state is caught on the way out, and the output layer is applied only to
-the positions a loss scores, a chunk of ``chunk_tokens`` at a time, with a log-sum-exp. Each
-chunk is checkpointed: its logits are recomputed in the backward pass instead of kept, so the
-peak is ``O(chunk_tokens x V)`` whatever the batch size or sequence length.
+the positions a loss scores, a chunk of ``chunk_tokens`` at a time, with a log-sum-exp. A
+chunk's logits are recomputed in the backward pass instead of kept, so the peak is
+``O(chunk_tokens x V)`` whatever the batch size or sequence length.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "ScoredLogps", "scored_token_logps"]
 
@@ -65,16 +64,18 @@ def scored_token_logps(
     positions = score_mask_BT.nonzero(as_tuple=True)
     hidden_NH = hidden_BTH[:, :-1][positions]
     targets_N = input_ids_BT[:, 1:][positions]
+    weight_VH, bias_V = output_layer.weight, output_layer.bias
+    device = hidden_NH.device.type
+    if torch.is_autocast_enabled(device):  # cast once, not once a chunk
+        dtype = torch.get_autocast_dtype(device)
+        hidden_NH, weight_VH = hidden_NH.to(dtype), weight_VH.to(dtype)
+        bias_V = bias_V.to(dtype) if bias_V is not None else None
     logps, entropies = [], []
     for start in range(0, targets_N.shape[0], chunk_tokens):
         chunk = slice(start, start + chunk_tokens)
-        args = (hidden_NH[chunk], targets_N[chunk], output_layer.weight, output_layer.bias)
-        if torch.is_grad_enabled():
-            logp_N, entropy_N = checkpoint(
-                _chunk_logps, *args, temperature, with_entropy, use_reentrant=False
-            )
-        else:
-            logp_N, entropy_N = _chunk_logps(*args, temperature, with_entropy)
+        logp_N, entropy_N = _ChunkLogps.apply(
+            hidden_NH[chunk], weight_VH, bias_V, targets_N[chunk], temperature, with_entropy
+        )
         logps.append(logp_N)
         entropies.append(entropy_N)
     logps_BT = _scatter(logps, score_mask_BT, hidden_BTH)
@@ -82,25 +83,67 @@ def scored_token_logps(
     return ScoredLogps(logps_BT, entropy_BT)
 
 
-def _chunk_logps(
+class _ChunkLogps(torch.autograd.Function):
+    """``log softmax((h W^T + b) / T)`` at the target ids of one chunk of positions.
+
+    Nothing of size ``V`` is kept for the backward pass: it recomputes the chunk's logits,
+    and ``d logp / d logits = (onehot(target) - softmax) / T`` gives the gradients of the
+    hidden states, the weight and the bias. The matmuls run in the inputs' dtype (bf16 under
+    ``mixed_precision: bf16``), the softmax in fp32.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden_NH: torch.Tensor,
+        weight_VH: torch.Tensor,
+        bias_V: torch.Tensor | None,
+        targets_N: torch.Tensor,
+        temperature: float,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.temperature = temperature
+        logits_NV = _logits(hidden_NH, weight_VH, bias_V, temperature)
+        logsumexp_N = torch.logsumexp(logits_NV, dim=-1)
+        logp_N = logits_NV.gather(-1, targets_N[:, None])[:, 0] - logsumexp_N
+        entropy_N = logp_N.new_zeros(())
+        if with_entropy:
+            # H = logsumexp - sum(p * logits)
+            weighted_N = (torch.softmax(logits_NV, dim=-1) * logits_NV).sum(dim=-1)
+            entropy_N = logsumexp_N - weighted_N
+        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, targets_N, logsumexp_N)
+        return logp_N, entropy_N
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_logp_N: torch.Tensor, _grad_entropy: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        hidden_NH, weight_VH, bias_V, targets_N, logsumexp_N = ctx.saved_tensors
+        logits_NV = _logits(hidden_NH, weight_VH, bias_V, ctx.temperature)
+        # the logits' gradient, in place over them: -g * softmax, plus g at the target
+        grad_NV = logits_NV.sub_(logsumexp_N[:, None]).exp_().mul_(-grad_logp_N[:, None])
+        grad_NV.scatter_add_(-1, targets_N[:, None], grad_logp_N[:, None])
+        grad_NV = grad_NV.div_(ctx.temperature).to(hidden_NH.dtype)
+        grad_hidden = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = grad_NV @ weight_VH
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad_NV.t() @ hidden_NH
+        if bias_V is not None and ctx.needs_input_grad[2]:
+            grad_bias = grad_NV.sum(dim=0)
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def _logits(
     hidden_NH: torch.Tensor,
-    targets_N: torch.Tensor,
     weight_VH: torch.Tensor,
     bias_V: torch.Tensor | None,
     temperature: float,
-    with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits_NV = torch.nn.functional.linear(hidden_NH, weight_VH, bias_V).float()
-    if temperature != 1.0:
-        logits_NV = logits_NV / temperature
-    logsumexp_N = torch.logsumexp(logits_NV, dim=-1)
-    logp_N = logits_NV.gather(-1, targets_N[:, None])[:, 0] - logsumexp_N
-    if not with_entropy:
-        return logp_N, logp_N.new_zeros(())
-    with torch.no_grad():
-        probs_NV = torch.softmax(logits_NV, dim=-1)
-        entropy_N = logsumexp_N - (probs_NV * logits_NV).sum(dim=-1)
-    return logp_N, entropy_N
+) -> torch.Tensor:
+    """The chunk's logits over the temperature, in fp32 (the matmul in the inputs' dtype)."""
+    with torch.autocast(hidden_NH.device.type, enabled=False):
+        logits_NV = torch.nn.functional.linear(hidden_NH, weight_VH, bias_V).float()
+    return logits_NV.div_(temperature) if temperature != 1.0 else logits_NV
 
 
 def _scatter(values: list[torch.Tensor], mask_BT: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,14 @@ def test_grpo_raises_reward_on_the_tiny_model(make_manifest: Callable[..., RunMa
 def test_resume_continues_the_task_sequence_and_the_metrics(
     make_manifest: Callable[..., RunManifest], dense_env: dict[str, Any], tmp_path: Path
 ) -> None:
-    settings = {"env": dense_env, "batch_size": 2, "group_size": 2, "max_new_tokens": 3}
+    # a decaying schedule: the resumed run must pick the rate up where the checkpoint left it
+    settings = {
+        "env": dense_env,
+        "batch_size": 2,
+        "group_size": 2,
+        "max_new_tokens": 3,
+        "lr_scheduler": "linear",
+    }
     straight = train_grpo(
         make_manifest("quickstart.yaml", max_steps=4, output_dir=str(tmp_path / "a"), **settings)
     )
@@ -80,7 +87,8 @@ def test_resume_continues_the_task_sequence_and_the_metrics(
     assert [row["step"] for row in resumed.metrics] == [3.0, 4.0]
     rows = _rows(Path(resumed_dir) / "metrics.csv")
     assert [int(row["step"]) for row in rows] == [1, 2, 3, 4]
-    for key in ("reward_mean", "loss", "grad_norm"):  # same tasks, samples and weights
+    # same tasks, samples, weights and learning rates
+    for key in ("reward_mean", "loss", "grad_norm", "learning_rate"):
         assert [r[key] for r in resumed.metrics] == pytest.approx(
             [r[key] for r in straight.metrics[2:]], rel=1e-4, abs=1e-6
         )
@@ -94,3 +102,62 @@ def test_resume_continues_the_task_sequence_and_the_metrics(
 def test_resume_without_a_checkpoint_says_so(make_manifest: Callable[..., RunManifest]) -> None:
     with pytest.raises(CheckpointError, match="no checkpoint to resume from"):
         train_grpo(make_manifest("quickstart.yaml", max_steps=1), resume=True)
+
+
+def test_build_policy_batch_leaves_out_members_not_kept() -> None:
+    rollout = RolloutBatch(
+        (
+            _trajectory(0, (5, 6, 7), (False, True), (-0.5,)),
+            _trajectory(1, (5, 6, 8), (False, True), (-0.25,)),
+        ),
+        group_size=2,
+        informative_groups=1,
+    )
+    batch = build_policy_batch(rollout, torch.tensor([1.0, -1.0]), pad_id=0, kept=[False, True])
+    assert batch.input_ids_BT.tolist() == [[5, 6, 8]]
+    assert batch.advantages_B.tolist() == [-1.0]
+
+
+def test_build_policy_batch_marks_missing_logps_and_refuses_misaligned_ones() -> None:
+    missing = RolloutBatch(
+        (_trajectory(0, (5, 6, 7, 8), (False, True, True), ()),), group_size=1, informative_groups=0
+    )
+    batch = build_policy_batch(missing, torch.tensor([1.0]), pad_id=0)
+    assert batch.sampling_logps_BT[0, 0].item() == 0.0  # off the mask
+    assert batch.sampling_logps_BT[0, 1:].isnan().all()  # scored by the trainer
+    short = RolloutBatch(
+        (_trajectory(0, (5, 6, 7, 8), (False, True, True), (-1.0,)),),
+        group_size=1,
+        informative_groups=0,
+    )
+    with pytest.raises(ValueError, match="1 sampling log-probs for 2 sampled tokens"):
+        build_policy_batch(short, torch.tensor([1.0]), pad_id=0)
+
+
+def test_passes_and_mini_batches_engage_the_clip_and_follow_the_schedule(
+    make_manifest: Callable[..., RunManifest], dense_env: dict[str, Any]
+) -> None:
+    settings = {
+        "env": dense_env,
+        "batch_size": 4,
+        "group_size": 4,
+        "max_new_tokens": 4,
+        "learning_rate": 0.01,
+        "num_iterations": 2,
+        "mini_batches": 2,
+        "micro_batch_size": 3,
+        "lr_scheduler": "linear",
+        "warmup_steps": 1,
+        "clip_eps": 0.05,
+    }
+    result = train_grpo(make_manifest("quickstart.yaml", max_steps=2, **settings))
+    first, second = result.metrics
+    # 2 steps x 2 passes x 2 mini-batches = 8 optimizer steps; the rate logged is the one
+    # of each step's first optimizer step: 0 (warmup: 1/1), then 4: 1 - (4 - 1) / (8 - 1)
+    assert first["learning_rate"] == pytest.approx(0.01)
+    assert second["learning_rate"] == pytest.approx(0.01 * (1 - 3 / 7))
+    # after the first optimizer step the ratio leaves 1 and the clip removes gradients
+    assert first["clip_fraction"] > 0.0
+    assert first["ratio_max"] > 1.05
+    assert first["failed_episodes"] == 0.0
+    assert first["dropped_groups"] == 0.0

@@ -161,6 +161,12 @@ class TrainingSpec(BaseModel):
     )
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient norm clip.")
     save_every: int = Field(0, ge=0, description="Steps between checkpoints (0: only at the end).")
+    keep_checkpoints: int | None = Field(
+        2,
+        ge=1,
+        description="Complete checkpoints kept in `output_dir` (older ones are removed once a "
+        "newer one is complete); unset: keep all.",
+    )
     log_every: int = Field(1, ge=1, description="Steps between progress-bar updates.")
     tensorboard: bool | None = Field(
         None,

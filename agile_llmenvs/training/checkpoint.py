@@ -1,9 +1,24 @@
-"""Checkpoints a run resumes from: weights (or LoRA adapters), optimizer, step, RNG, data state."""
+"""Checkpoints a run resumes from: weights (or LoRA adapters), optimizer, learning-rate
+schedule, step, every rank's RNG and data position.
+
+A save is atomic. It writes ``checkpoint-<step>.partial/`` completely, flushes every file to
+disk, writes ``manifest.json`` (each file with its size) last, and only then renames the
+folder to ``checkpoint-<step>/``; older checkpoints beyond ``keep`` are pruned after that. A
+kill at any moment leaves the previous checkpoint intact and at worst a ``.partial`` folder,
+which resuming reports and ignores, as it does a published folder whose files no longer
+match its manifest.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import random
+import re
+import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +27,40 @@ import torch
 from agile_llmenvs.errors import CheckpointError
 from agile_llmenvs.training.lora import is_lora
 
-__all__ = ["CHECKPOINT_DIR", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CHECKPOINT_PREFIX",
+    "Checkpoint",
+    "find_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
-CHECKPOINT_DIR = "checkpoint"
-_RNG_FILE = "rng_rank{rank}.pt"
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "checkpoint-"
+_PARTIAL = ".partial"
+_MANIFEST = "manifest.json"
+_RANK_FILE = "rank{rank}.pt"
+_TRAINER_FILE = "trainer.pt"
 _WEIGHTS_FILE = "model.safetensors"
+_WEIGHTS_INDEX = "model.safetensors.index.json"
 _ADAPTER_FILE = "adapter_model.safetensors"
+_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint folder.
+
+    Attributes:
+        directory: ``output_dir/checkpoint-<step>``.
+        step: Optimizer steps of the loop done when it was saved.
+        world_size: Processes that saved it (each wrote its own rank file).
+    """
+
+    directory: Path
+    step: int
+    world_size: int
 
 
 def save_checkpoint(
@@ -30,27 +73,68 @@ def save_checkpoint(
     tokenizer: Any,
     rank_state: Mapping[str, Any],
     scheduler: Any = None,
+    keep: int | None = None,
 ) -> Path:
     """Save the model (Hugging Face layout; a LoRA policy's adapters only, peft's layout),
-    optimizer, learning-rate schedule, step and every rank's RNG and data state.
+    optimizer, schedule, step and every rank's RNG and data state, atomically.
 
     ``rank_state`` is this rank's own (its collector or dataset position); each rank writes
-    its file, the main process the shared ones.
+    its file, the main process the shared ones and the manifest.
+
+    Args:
+        keep: Complete checkpoints to keep, this one included (``None``: all).
+
+    Returns:
+        The published ``checkpoint-<step>`` folder.
     """
-    directory = output_dir / CHECKPOINT_DIR
-    directory.mkdir(parents=True, exist_ok=True)
+    final = output_dir / f"{CHECKPOINT_PREFIX}{step}"
+    partial = final.with_name(final.name + _PARTIAL)
+    main = accelerator.is_main_process
+    accelerator.wait_for_everyone()
+    if main:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
     state = {"rng": _rng_state(), **rank_state}
-    torch.save(state, directory / _RNG_FILE.format(rank=accelerator.process_index))
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(directory / "model")
-        tokenizer.save_pretrained(directory / "model")
-        trainer = {"step": step, "optimizer": optimizer.state_dict()}
+    _save_synced(state, partial / _RANK_FILE.format(rank=accelerator.process_index))
+    if main:
+        accelerator.unwrap_model(model).save_pretrained(partial / "model")
+        tokenizer.save_pretrained(partial / "model")
+        trainer: dict[str, Any] = {"step": step, "optimizer": optimizer.state_dict()}
         if scheduler is not None:
             trainer["scheduler"] = scheduler.state_dict()
-        torch.save(trainer, directory / "trainer.pt")
+        _save_synced(trainer, partial / _TRAINER_FILE)
     accelerator.wait_for_everyone()
-    return directory
+    if main:
+        _publish(partial, final, step=step, world_size=accelerator.num_processes)
+        if keep is not None:
+            _prune(output_dir, keep)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def find_checkpoint(output_dir: Path) -> Checkpoint | None:
+    """The newest complete checkpoint in ``output_dir`` (``None`` when there is none).
+
+    Partial folders (a save that was cut short) and published folders whose files do not
+    match their manifest are logged as warnings and skipped.
+    """
+    if not output_dir.is_dir():
+        return None
+    for partial in sorted(output_dir.glob(f"{CHECKPOINT_PREFIX}*{_PARTIAL}")):
+        logger.warning("ignoring %s: a checkpoint save that did not finish", partial)
+    candidates = []
+    for directory in output_dir.iterdir():
+        match = _NAME.match(directory.name)
+        if match and directory.is_dir():
+            candidates.append((int(match.group(1)), directory))
+    for step, directory in sorted(candidates, reverse=True):
+        problem = _verify(directory)
+        if problem is None:
+            world_size = json.loads((directory / _MANIFEST).read_text())["world_size"]
+            return Checkpoint(directory, step, int(world_size))
+        logger.warning("ignoring %s: %s", directory, problem)
+    return None
 
 
 def load_checkpoint(
@@ -61,27 +145,113 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: Any = None,
 ) -> tuple[int, dict[str, Any]]:
-    """Restore what :func:`save_checkpoint` wrote; returns the step and this rank's state.
+    """Restore the newest complete checkpoint; returns its step and this rank's state.
 
     Raises:
-        CheckpointError: there is no checkpoint, none for this rank, or one of full weights
-            for a LoRA run (or of adapters for a full one).
+        CheckpointError: there is no complete checkpoint, it was saved by another number of
+            processes, it holds full weights for a LoRA run (or adapters for a full one), or
+            its weights do not match the model's (missing or unexpected keys).
     """
-    directory = output_dir / CHECKPOINT_DIR
-    rank_file = directory / _RNG_FILE.format(rank=accelerator.process_index)
-    if not (directory / "trainer.pt").exists() or not rank_file.exists():
+    checkpoint = find_checkpoint(output_dir)
+    if checkpoint is None:
         raise CheckpointError(
-            f"no checkpoint to resume from in {directory} for rank {accelerator.process_index}: "
-            "run without --resume first, with the same number of processes"
+            f"no complete checkpoint to resume from in {output_dir}: run without --resume first"
         )
+    if checkpoint.world_size != accelerator.num_processes:
+        raise CheckpointError(
+            f"{checkpoint.directory} was saved by {checkpoint.world_size} process(es), this run "
+            f"has {accelerator.num_processes}: resume with the same number of processes"
+        )
+    directory = checkpoint.directory
     _load_weights(directory / "model", accelerator.unwrap_model(model))
-    trainer = torch.load(directory / "trainer.pt", weights_only=False)
+    trainer = _load_plain(directory / _TRAINER_FILE)
     optimizer.load_state_dict(trainer["optimizer"])
     if scheduler is not None and "scheduler" in trainer:
         scheduler.load_state_dict(trainer["scheduler"])
-    state = torch.load(rank_file, weights_only=False)
+    state = _load_plain(directory / _RANK_FILE.format(rank=accelerator.process_index))
     _set_rng_state(state.pop("rng"))
     return int(trainer["step"]), state
+
+
+def _save_synced(obj: Any, path: Path) -> None:
+    torch.save(obj, path)
+    _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    with path.open("rb") as file:
+        os.fsync(file.fileno())
+
+
+def _files(directory: Path) -> dict[str, int]:
+    """Every file under ``directory`` (but the manifest), with its size."""
+    return {
+        str(path.relative_to(directory)): path.stat().st_size
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != _MANIFEST
+    }
+
+
+def _publish(partial: Path, final: Path, *, step: int, world_size: int) -> None:
+    """Flush every file, write the manifest last, and rename the folder into place."""
+    files = _files(partial)
+    for name in files:
+        _fsync(partial / name)
+    manifest = {"step": step, "world_size": world_size, "files": files}
+    (partial / _MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    _fsync(partial / _MANIFEST)
+    if final.exists():  # the same step saved again (a resumed run that was already done)
+        stale = final.with_name(final.name + ".stale")
+        shutil.rmtree(stale, ignore_errors=True)
+        final.rename(stale)
+        partial.rename(final)
+        shutil.rmtree(stale)
+    else:
+        partial.rename(final)
+    directory_fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory_fd)
+    finally:
+        os.close(directory_fd)
+
+
+def _verify(directory: Path) -> str | None:
+    """Why ``directory`` is not a complete checkpoint (``None`` when it is)."""
+    path = directory / _MANIFEST
+    if not path.exists():
+        return "it has no manifest.json (a save that did not finish)"
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))["files"]
+    except (ValueError, KeyError) as exc:
+        return f"its manifest.json is unreadable ({exc})"
+    actual = _files(directory)
+    for name, size in recorded.items():
+        if name not in actual:
+            return f"{name} is missing"
+        if actual[name] != size:
+            return f"{name} has {actual[name]} bytes, {size} when saved"
+    return None
+
+
+def _prune(output_dir: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` complete checkpoints."""
+    complete = []
+    for directory in output_dir.iterdir():
+        match = _NAME.match(directory.name)
+        if match and _verify(directory) is None:
+            complete.append((int(match.group(1)), directory))
+    for _, directory in sorted(complete, reverse=True)[keep:]:
+        shutil.rmtree(directory)
+
+
+def _load_plain(path: Path) -> dict[str, Any]:
+    """A trainer or rank file: tensors, numbers, strings and containers only, no pickled code."""
+    try:
+        return dict(torch.load(path, weights_only=True))
+    except Exception as exc:  # the unpickler's errors are of several types
+        raise CheckpointError(
+            f"{path} holds more than tensors and plain values, so it is not loaded: {exc}"
+        ) from exc
 
 
 def _load_weights(directory: Path, policy: Any) -> None:
@@ -89,7 +259,8 @@ def _load_weights(directory: Path, policy: Any) -> None:
 
     lora = is_lora(policy)
     file = directory / (_ADAPTER_FILE if lora else _WEIGHTS_FILE)
-    if not file.exists():
+    index = directory / _WEIGHTS_INDEX
+    if not file.exists() and not (index.exists() and not lora):
         saved, wanted = (
             ("full weights", "LoRA adapters") if lora else ("LoRA adapters", "every weight")
         )
@@ -97,20 +268,60 @@ def _load_weights(directory: Path, policy: Any) -> None:
             f"the checkpoint in {directory} holds {saved}, but this run trains {wanted}: "
             f"resume with the `training.lora` setting it was saved with"
         )
-    weights = load_file(str(file))
     if lora:
         from peft import set_peft_model_state_dict
 
-        set_peft_model_state_dict(policy, weights)
-    else:
-        # tied weights (lm_head = embed_tokens) are saved once, hence not strict
-        policy.load_state_dict(weights, strict=False)
+        set_peft_model_state_dict(policy, load_file(str(file)))
+        return
+    weights: dict[str, torch.Tensor] = {}
+    shards = [file] if file.exists() else _shards(index)
+    for shard in shards:
+        weights.update(load_file(str(shard)))
+    _check_keys(directory, policy, weights)
+    policy.load_state_dict(weights, strict=False)
+
+
+def _shards(index: Path) -> list[Path]:
+    names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    missing = [name for name in names if not (index.parent / name).exists()]
+    if missing:
+        raise CheckpointError(f"the checkpoint in {index.parent} lacks its shard(s) {missing}")
+    return [index.parent / name for name in names]
+
+
+def _check_keys(directory: Path, policy: Any, weights: Mapping[str, torch.Tensor]) -> None:
+    """Refuse weights of another architecture: every key present, none unexpected.
+
+    A tied weight (``lm_head.weight`` sharing ``embed_tokens.weight``) is saved once, so a key
+    missing from the file is fine when another key of the same tensor is in it.
+    """
+    tensors = policy.state_dict(keep_vars=True)
+    saved_storage = {tensors[k].data_ptr() for k in weights if k in tensors}
+    missing = [
+        k for k in tensors if k not in weights and tensors[k].data_ptr() not in saved_storage
+    ]
+    unexpected = [k for k in weights if k not in tensors]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"the weights in {directory} do not fit this model: missing {_some(missing)}, "
+            f"unexpected {_some(unexpected)}. Resume with the model the run was started with"
+        )
+
+
+def _some(keys: list[str]) -> str:
+    shown = ", ".join(keys[:4]) or "none"
+    return shown + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
 
 
 def _rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "torch": torch.get_rng_state()}
+    python_state = random.getstate()
+    return {
+        "python": [python_state[0], list(python_state[1]), python_state[2]],
+        "torch": torch.get_rng_state(),
+    }
 
 
 def _set_rng_state(state: Mapping[str, Any]) -> None:
-    random.setstate(state["python"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])

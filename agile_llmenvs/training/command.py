@@ -50,6 +50,13 @@ def run_train_command(args: argparse.Namespace) -> int:
     except AgileLLMEnvsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if result.stopped_by is not None:
+        print(
+            f"stopped by {result.stopped_by} after step {result.steps} of "
+            f"{manifest.training.max_steps}; checkpoint saved in {result.checkpoint_dir}. "
+            f"Continue with: agile-llmenvs train {args.manifest} --resume"
+        )
+        return 0
     summary = ", ".join(f"{k} {v:.4g}" for k, v in (result.metrics or [{}])[-1].items())
     print(f"trained {result.steps} steps into {result.output_dir}: {summary}")
     return 0

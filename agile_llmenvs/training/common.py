@@ -36,6 +36,8 @@ class TrainResult:
         metrics: This process's metric rows, one per step run now.
         metrics_path: The CSV of every step (appended to on resume).
         checkpoint_dir: The last checkpoint.
+        stopped_by: The signal that stopped the run before ``max_steps`` (``"SIGTERM"``,
+            ``"SIGINT"``), ``None`` when it ran to the end; ``steps`` is where it stopped.
     """
 
     output_dir: Path
@@ -43,6 +45,7 @@ class TrainResult:
     metrics: list[dict[str, float]] = field(default_factory=list)
     metrics_path: Path | None = None
     checkpoint_dir: Path | None = None
+    stopped_by: str | None = None
 
     def last(self, key: str) -> float:
         """The value of ``key`` at the last step run now."""

@@ -44,6 +44,7 @@ from agile_llmenvs.training.grpo_update import (
     UpdateSettings,
     grpo_update,
 )
+from agile_llmenvs.training.interrupt import StopRequest
 from agile_llmenvs.training.learner import Learner
 from agile_llmenvs.training.losses import group_advantages
 from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
@@ -178,6 +179,7 @@ class _Run:
     settings: UpdateSettings
     start_step: int
     engine: PolicyVLLMEngine | None = None
+    keep_checkpoints: int | None = None
 
     @property
     def accelerator(self) -> Any:
@@ -224,23 +226,27 @@ def train_grpo(manifest: RunManifest, *, resume: bool = False) -> TrainResult:
     output_dir = Path(config.output_dir)
     run = _setup(manifest, output_dir, resume)
     try:
-        history = _train(run, manifest, output_dir, resume)
-        checkpoint_dir = _save(output_dir, config.max_steps, run)
+        with StopRequest() as stop:
+            history = _train(run, manifest, output_dir, resume, stop)
+        steps = run.start_step + len(history)
+        checkpoint_dir = _save(output_dir, steps, run)
     finally:
         run.close()
     if run.accelerator.is_main_process:
         plot_metrics(
             output_dir / "metrics.csv", output_dir / "metrics.png", ("reward_mean", "loss")
         )
+    stopped_by = stop.signal_name if steps < config.max_steps else None
     return TrainResult(
-        output_dir, config.max_steps, history, output_dir / "metrics.csv", checkpoint_dir
+        output_dir, steps, history, output_dir / "metrics.csv", checkpoint_dir, stopped_by
     )
 
 
 def _train(
-    run: _Run, manifest: RunManifest, output_dir: Path, resume: bool
+    run: _Run, manifest: RunManifest, output_dir: Path, resume: bool, stop: StopRequest
 ) -> list[dict[str, float]]:
-    """Run the steps left, writing each one's metrics and the periodic checkpoints."""
+    """Run the steps left, writing each one's metrics and the periodic checkpoints; a
+    SIGINT / SIGTERM ends the loop after the step it arrives in."""
     from tqdm import tqdm
 
     config = training_spec(manifest)
@@ -268,7 +274,10 @@ def _train(
                 writer.write(row)
             if (step + 1) % config.log_every == 0:
                 progress.set_postfix(reward=f"{row['reward_mean']:.3f}", loss=f"{row['loss']:.4f}")
-            if config.save_every and (step + 1) % config.save_every == 0:
+            if stop.requested(run.accelerator):
+                break
+            last = step + 1 == config.max_steps  # the final save follows
+            if config.save_every and (step + 1) % config.save_every == 0 and not last:
                 _save(output_dir, step + 1, run)
     finally:
         if writer is not None:
@@ -400,7 +409,17 @@ def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
             engine.close()
         raise
     settings = _update_settings(manifest)
-    return _Run(learner, tokenizer, reference, collector, sampler, settings, start_step, engine)
+    return _Run(
+        learner,
+        tokenizer,
+        reference,
+        collector,
+        sampler,
+        settings,
+        start_step,
+        engine,
+        keep_checkpoints=config.keep_checkpoints,
+    )
 
 
 def _update_settings(manifest: RunManifest) -> UpdateSettings:
@@ -467,6 +486,7 @@ def _save(output_dir: Path, step: int, run: _Run) -> Path:
         tokenizer=run.tokenizer,
         rank_state={"collector": run.collector.state_dict()},
         scheduler=run.learner.scheduler,
+        keep=run.keep_checkpoints,
     )
 
 

@@ -17,6 +17,7 @@ import torch
 from agile_llmenvs.specs import LLMEnvSpec, RunManifest
 from agile_llmenvs.training.checkpoint import load_checkpoint, save_checkpoint
 from agile_llmenvs.training.common import TrainResult, prepare_policy, training_spec
+from agile_llmenvs.training.interrupt import StopRequest
 from agile_llmenvs.training.learner import Learner, micro_batch_slices, reduce_sum
 from agile_llmenvs.training.logprobs import scored_token_logps
 from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
@@ -121,32 +122,49 @@ def train_on_dataset(
     history: list[dict[str, float]] = []
     learner.model.train()
     steps = range(start_step, config.max_steps)
-    for step in tqdm(
-        steps, initial=start_step, total=config.max_steps, desc=name, disable=not main
-    ):
-        step_start = time.perf_counter()
-        learning_rate = learner.scheduler.get_last_lr()[0]
-        values = _learn(env.next_batch(), learner, objective, config.micro_batch_size)
-        values.update(
-            step=float(step + 1),
-            learning_rate=learning_rate,
-            step_time_s=time.perf_counter() - step_start,
-        )
-        row = {key: values[key] for key in metric_keys}
-        history.append(row)
-        if writer is not None:
-            writer.write(row)
-        if config.save_every and (step + 1) % config.save_every == 0:
-            _save(output_dir, step + 1, learner, tokenizer, env)
-
-    checkpoint_dir = _save(output_dir, config.max_steps, learner, tokenizer, env)
+    with StopRequest() as stop:
+        for step in tqdm(
+            steps, initial=start_step, total=config.max_steps, desc=name, disable=not main
+        ):
+            row = _step(step, env, learner, objective, config, metric_keys)
+            history.append(row)
+            if writer is not None:
+                writer.write(row)
+            if stop.requested(accelerator):
+                break
+            last = step + 1 == config.max_steps  # the final save follows
+            if config.save_every and (step + 1) % config.save_every == 0 and not last:
+                _save(output_dir, step + 1, learner, tokenizer, env, config.keep_checkpoints)
+    done = start_step + len(history)
+    checkpoint_dir = _save(output_dir, done, learner, tokenizer, env, config.keep_checkpoints)
     if writer is not None:
         writer.close()
     if main:
         plot_metrics(output_dir / "metrics.csv", output_dir / "metrics.png", ("loss",))
+    stopped_by = stop.signal_name if done < config.max_steps else None
     return TrainResult(
-        output_dir, config.max_steps, history, output_dir / "metrics.csv", checkpoint_dir
+        output_dir, done, history, output_dir / "metrics.csv", checkpoint_dir, stopped_by
     )
+
+
+def _step(
+    step: int,
+    env: Any,
+    learner: Learner,
+    objective: DatasetObjective,
+    config: Any,
+    metric_keys: tuple[str, ...],
+) -> dict[str, float]:
+    """One optimizer step on the env's next batch: the metrics row, in ``metric_keys`` order."""
+    step_start = time.perf_counter()
+    learning_rate = learner.scheduler.get_last_lr()[0]
+    values = _learn(env.next_batch(), learner, objective, config.micro_batch_size)
+    values.update(
+        step=float(step + 1),
+        learning_rate=learning_rate,
+        step_time_s=time.perf_counter() - step_start,
+    )
+    return {key: values[key] for key in metric_keys}
 
 
 def _learn(
@@ -187,7 +205,9 @@ def _dataset_env(manifest: RunManifest, tokenizer: Any, accelerator: Any) -> Any
     )
 
 
-def _save(output_dir: Path, step: int, learner: Learner, tokenizer: Any, env: Any) -> Path:
+def _save(
+    output_dir: Path, step: int, learner: Learner, tokenizer: Any, env: Any, keep: int | None
+) -> Path:
     return save_checkpoint(
         output_dir,
         step=step,
@@ -197,4 +217,5 @@ def _save(output_dir: Path, step: int, learner: Learner, tokenizer: Any, env: An
         tokenizer=tokenizer,
         rank_state={"env": env.state_dict()},
         scheduler=learner.scheduler,
+        keep=keep,
     )

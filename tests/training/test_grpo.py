@@ -60,7 +60,8 @@ def test_grpo_raises_reward_on_the_tiny_model(make_manifest: Callable[..., RunMa
     assert list(rows[0]) == list(GRPO_METRICS)
     assert [int(row["step"]) for row in rows] == list(range(1, 251))
     assert all(math.isfinite(float(row["loss"])) for row in rows)
-    assert (result.output_dir / "checkpoint" / "model" / "config.json").exists()
+    assert result.checkpoint_dir == result.output_dir / "checkpoint-250"
+    assert (result.checkpoint_dir / "model" / "config.json").exists()
     assert (result.output_dir / "metrics.png").exists()
 
 
@@ -93,14 +94,14 @@ def test_resume_continues_the_task_sequence_and_the_metrics(
             [r[key] for r in straight.metrics[2:]], rel=1e-4, abs=1e-6
         )
     saved = [
-        torch.load(d / "checkpoint" / "rng_rank0.pt", weights_only=False)["collector"]
+        torch.load(d / "checkpoint-4" / "rank0.pt", weights_only=True)["collector"]
         for d in (tmp_path / "a", Path(resumed_dir))
     ]
     assert saved[0] == saved[1]
 
 
 def test_resume_without_a_checkpoint_says_so(make_manifest: Callable[..., RunManifest]) -> None:
-    with pytest.raises(CheckpointError, match="no checkpoint to resume from"):
+    with pytest.raises(CheckpointError, match="no complete checkpoint to resume from"):
         train_grpo(make_manifest("quickstart.yaml", max_steps=1), resume=True)
 
 

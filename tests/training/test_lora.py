@@ -79,7 +79,7 @@ def test_lora_sft_lowers_the_loss_training_only_the_adapters(
     # the tied embedding stays frozen, so the tiny model's loss plateaus near 5.3 nats
     assert sum(losses[-5:]) < 0.95 * sum(losses[:5]), losses
     _assert_only_adapters_trained(policies.models[0], tiny_model_dir)
-    saved = sorted(path.name for path in (result.output_dir / "checkpoint" / "model").iterdir())
+    saved = sorted(path.name for path in (result.checkpoint_dir / "model").iterdir())
     assert "adapter_model.safetensors" in saved
     assert "model.safetensors" not in saved
 
@@ -145,7 +145,7 @@ def test_resuming_with_another_lora_setting_says_so(
     train_sft(make_manifest("sft_digits.yaml", max_steps=1))
     with pytest.raises(CheckpointError) as raised:
         train_sft(make_manifest("sft_digits.yaml", max_steps=2, lora=LORA), resume=True)
-    directory = tmp_path / "run" / "checkpoint" / "model"
+    directory = tmp_path / "run" / "checkpoint-1" / "model"
     assert str(raised.value) == (
         f"the checkpoint in {directory} holds full weights, but this run trains LoRA "
         "adapters: resume with the `training.lora` setting it was saved with"

@@ -1,0 +1,137 @@
+"""Checkpoints load only what they can load exactly, and say why when they cannot."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from accelerate import Accelerator
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from agile_llmenvs.errors import CheckpointError
+from agile_llmenvs.training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+
+
+class Payload:
+    """Anything but plain data: unpickling it would run code of the sender's choosing."""
+
+
+def _save(model_dir: Path, out: Path, step: int = 1, **kwargs: Any) -> Path:
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    for name, value in kwargs.items():
+        setattr(model, name, value)
+    optimizer = torch.optim.AdamW(model.parameters())
+    return save_checkpoint(
+        out,
+        step=step,
+        accelerator=Accelerator(cpu=True),
+        model=model,
+        optimizer=optimizer,
+        tokenizer=AutoTokenizer.from_pretrained(model_dir),
+        rank_state={"position": 3},
+    )
+
+
+def _load(model: Any, out: Path) -> tuple[int, dict[str, Any]]:
+    optimizer = torch.optim.AdamW(model.parameters())
+    return load_checkpoint(out, accelerator=Accelerator(cpu=True), model=model, optimizer=optimizer)
+
+
+def _refresh_manifest(directory: Path) -> None:
+    """Re-record the file sizes, as a complete save of these files would have."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["files"] = {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != "manifest.json"
+    }
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_round_trip_restores_the_step_and_the_rank_state(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    directory = _save(tiny_model_dir, tmp_path)
+    assert directory == tmp_path / "checkpoint-1"
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "manifest.json",
+        "model",
+        "rank0.pt",
+        "trainer.pt",
+    ]
+    step, state = _load(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path)
+    assert (step, state) == (1, {"position": 3})
+
+
+def test_weights_of_another_architecture_are_refused_naming_the_keys(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    _save(tiny_model_dir, tmp_path)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.num_hidden_layers = 3  # the checkpoint has 2
+    config.layer_types = [config.layer_types[0]] * 3
+    deeper = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(CheckpointError) as raised:
+        _load(deeper, tmp_path)
+    message = str(raised.value)
+    assert message.startswith(f"the weights in {tmp_path / 'checkpoint-1' / 'model'} do not fit")
+    assert "missing model.layers.2." in message
+    assert "unexpected none" in message
+
+
+def test_a_missing_shard_makes_the_checkpoint_incomplete(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    sharded = functools.partial(model.save_pretrained, max_shard_size="100KB")
+    directory = _save(tiny_model_dir, tmp_path, save_pretrained=sharded)
+    shards = sorted((directory / "model").glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[1].unlink()
+    with caplog.at_level(logging.WARNING), pytest.raises(CheckpointError, match="no complete"):
+        _load(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path)
+    assert f"model/{shards[1].name} is missing" in caplog.text
+    # a manifest that agrees (a save that never had the shard): refused by the index
+    _refresh_manifest(directory)
+    with pytest.raises(CheckpointError, match=rf"lacks its shard\(s\) \['{shards[1].name}'\]"):
+        _load(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path)
+
+
+def test_a_pickled_object_in_the_trainer_state_is_not_loaded(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    directory = _save(tiny_model_dir, tmp_path)
+    trainer = torch.load(directory / "trainer.pt", weights_only=True)
+    torch.save({**trainer, "payload": Payload()}, directory / "trainer.pt")
+    _refresh_manifest(directory)
+    with pytest.raises(CheckpointError, match="holds more than tensors and plain values"):
+        _load(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path)
+
+
+def test_the_newest_complete_checkpoint_wins_and_partial_ones_are_reported(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _save(tiny_model_dir, tmp_path, step=1)
+    newest = _save(tiny_model_dir, tmp_path, step=2)
+    (tmp_path / "checkpoint-3.partial").mkdir()
+    truncated = tmp_path / "checkpoint-4"
+    truncated.mkdir()
+    with caplog.at_level(logging.WARNING):
+        found = find_checkpoint(tmp_path)
+    assert found is not None
+    assert (found.directory, found.step, found.world_size) == (newest, 2, 1)
+    assert "checkpoint-3.partial: a checkpoint save that did not finish" in caplog.text
+    assert "checkpoint-4: it has no manifest.json" in caplog.text
+    # a published folder whose file changed size after the save
+    with (newest / "rank0.pt").open("ab") as file:
+        file.write(b"x")
+    found = find_checkpoint(tmp_path)
+    assert found is not None
+    assert found.step == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from agile_llmenvs.errors import EnvBuildError
 from agile_llmenvs.llm_envs.from_spec import spec_settings
@@ -30,6 +30,7 @@ def make_rollout_env_factory(
     max_output_tokens: int | None = None,
     seed: int | None = None,
     allow_install: bool = False,
+    split: Literal["train", "test"] = "train",
 ) -> tuple[HarnessFactory, int]:
     """Build a factory that creates fresh :class:`RolloutHarness` instances.
 
@@ -51,6 +52,8 @@ def make_rollout_env_factory(
             ``max_model_len - max_output_tokens`` so the next generation always fits.
         seed: Seed of a dataset-backed env's train/test split.
         allow_install: Install missing ``env_packages`` on this first build.
+        split: Which rows a dataset-backed env plays: ``train``, or the held-out ``test``
+            split (``train_test_split``, or the source's own); other sources have one.
 
     Returns:
         A zero-argument callable that creates a harness, and the rollout's turn budget.
@@ -68,7 +71,7 @@ def make_rollout_env_factory(
     if max_model_len is not None:
         settings["max_model_len"] = max(1, max_model_len - (max_output_tokens or 0))
     if spec.source == "dataset":
-        return _dataset_factory(spec, tokenizer, settings, seed), 1
+        return _dataset_factory(spec, tokenizer, settings, seed, split), 1
     if spec.source == "env_url":
         return _url_factory(spec, tokenizer, settings)
     if spec.source == "entrypoint":
@@ -80,14 +83,22 @@ def make_rollout_env_factory(
 
 
 def _dataset_factory(
-    spec: LLMEnvSpec, tokenizer: Any, settings: dict[str, Any], seed: int | None
+    spec: LLMEnvSpec,
+    tokenizer: Any,
+    settings: dict[str, Any],
+    seed: int | None,
+    split: Literal["train", "test"],
 ) -> HarnessFactory:
     from agile_llmenvs.llm_envs.rows import load_rows
 
     assert spec.rubric_file_path is not None  # the spec guarantees a rubric with rows
     rubric = load_rubric(spec.rubric_file_path, spec.rubric_name)
-    train, _ = load_rows(spec, seed or 0)
-    rows = train.to_list()
+    train, test = load_rows(spec, seed or 0)
+    rows = (train if split == "train" else test).to_list()
+    if not rows:
+        raise EnvBuildError(
+            f"{spec.label!r} has no {split} rows: set `train_test_split` to hold some out"
+        )
     RubricEnv(rows, rubric, prompt_template=spec.prompt_template)  # fail here, not per slot
 
     def factory() -> RolloutHarness:

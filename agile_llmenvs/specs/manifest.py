@@ -161,6 +161,21 @@ class TrainingSpec(BaseModel):
     )
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient norm clip.")
     save_every: int = Field(0, ge=0, description="Steps between checkpoints (0: only at the end).")
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="GRPO: steps between greedy evaluations of the policy on held-out tasks "
+        "(0: none). A dataset env needs a test split (`train_test_split`).",
+    )
+    eval_tasks: int = Field(
+        16,
+        ge=1,
+        description="GRPO: held-out tasks per evaluation (the same ones each time; a dataset "
+        "env's test split is cycled through when it has fewer rows).",
+    )
+    eval_success_reward: float = Field(
+        1.0, description="GRPO: an eval episode succeeds when its reward reaches this."
+    )
     keep_checkpoints: int | None = Field(
         2,
         ge=1,
@@ -238,6 +253,10 @@ class TrainingSpec(BaseModel):
             )
         if self.vllm is not None and self.generation_backend != "vllm":
             raise fail("vllm", "engine settings need `generation_backend: vllm`")
+        if self.eval_every and self.algorithm != "grpo":
+            raise fail(
+                "eval_every", f"evaluation during training runs for grpo, not {self.algorithm!r}"
+            )
         if self.mini_batches > self.batch_size * self.group_size and self.algorithm == "grpo":
             raise fail(
                 "mini_batches",

@@ -44,6 +44,7 @@ from agile_llmenvs.training.grpo_update import (
     UpdateSettings,
     grpo_update,
 )
+from agile_llmenvs.training.held_out import EVAL_METRICS, HeldOutEval
 from agile_llmenvs.training.interrupt import StopRequest
 from agile_llmenvs.training.learner import Learner
 from agile_llmenvs.training.losses import group_advantages
@@ -76,6 +77,7 @@ GRPO_METRICS = (
     "failed_episodes",
     "dropped_groups",
     "learning_rate",
+    *EVAL_METRICS,
 )
 
 
@@ -180,6 +182,7 @@ class _Run:
     start_step: int
     engine: PolicyVLLMEngine | None = None
     keep_checkpoints: int | None = None
+    held_out: HeldOutEval | None = None
 
     @property
     def accelerator(self) -> Any:
@@ -195,6 +198,8 @@ class _Run:
         """Release the env slots, the env hosts behind them (if any), and the vLLM engine."""
         self.collector.close()
         _close_factory(self.collector)
+        if self.held_out is not None:
+            self.held_out.close()
         if self.engine is not None:
             self.engine.close()
 
@@ -233,8 +238,11 @@ def train_grpo(manifest: RunManifest, *, resume: bool = False) -> TrainResult:
     finally:
         run.close()
     if run.accelerator.is_main_process:
+        panels = ("reward_mean", "loss", "eval_reward_mean") if config.eval_every else None
         plot_metrics(
-            output_dir / "metrics.csv", output_dir / "metrics.png", ("reward_mean", "loss")
+            output_dir / "metrics.csv",
+            output_dir / "metrics.png",
+            panels or ("reward_mean", "loss"),
         )
     stopped_by = stop.signal_name if steps < config.max_steps else None
     return TrainResult(
@@ -269,6 +277,7 @@ def _train(
             # Sampling seeds follow the step, so a resumed run samples what the whole run would.
             seed = (manifest.seed * 1_000_003 + step) * 4096 + run.accelerator.process_index * 64
             row = _step(run, config, step + 1, seed)
+            row.update(_evaluate(run, step + 1))
             history.append(row)
             if writer is not None:
                 writer.write(row)
@@ -283,6 +292,14 @@ def _train(
         if writer is not None:
             writer.close()
     return history
+
+
+def _evaluate(run: _Run, step: int) -> dict[str, float]:
+    """The held-out evaluation after ``step`` when one is due (NaN, an empty cell, if not)."""
+    if run.held_out is None or not run.held_out.due(step):
+        return dict.fromkeys(EVAL_METRICS, math.nan)
+    policy = run.accelerator.unwrap_model(run.model)
+    return run.held_out.run(policy, run.tokenizer, run.accelerator)
 
 
 def _step(run: _Run, config: TrainingSpec, step: int, seed: int) -> dict[str, float]:
@@ -419,6 +436,7 @@ def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
         start_step,
         engine,
         keep_checkpoints=config.keep_checkpoints,
+        held_out=HeldOutEval.build(manifest, tokenizer, max_model_len, accelerator),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -55,13 +56,14 @@ class MetricsWriter:
         self._scalars = _summary_writer(path.parent / TENSORBOARD_DIR, tensorboard, resume_step)
 
     def write(self, row: Mapping[str, float]) -> None:
-        """Append ``row`` (every key of the header, nothing else)."""
+        """Append ``row`` (every key of the header, nothing else); a NaN (a metric this step
+        does not have, such as an evaluation's) is an empty cell and no scalar."""
         with self.path.open("a", newline="", encoding="utf-8") as file:
             csv.DictWriter(file, self.keys).writerow({k: _format(row[k]) for k in self.keys})
         if self._scalars is not None:
             step = int(row["step"])
             for key in self.keys:
-                if key != "step":
+                if key != "step" and not math.isnan(row[key]):
                     self._scalars.add_scalar(key, float(row[key]), global_step=step)
 
     def close(self) -> None:
@@ -105,13 +107,18 @@ def _summary_writer(directory: Path, wanted: bool | None, resume_step: int | Non
 
 
 def _format(value: float) -> str:
+    if math.isnan(value):
+        return ""
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
 
 
 def read_metrics(path: Path) -> list[dict[str, float]]:
     """The rows of a metrics CSV, as floats."""
     with path.open(newline="", encoding="utf-8") as file:
-        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(file)]
+        return [
+            {k: float(v) if v != "" else math.nan for k, v in row.items()}
+            for row in csv.DictReader(file)
+        ]
 
 
 def plot_metrics(metrics_path: Path, png_path: Path, keys: Sequence[str]) -> Path | None:
@@ -128,7 +135,10 @@ def plot_metrics(metrics_path: Path, png_path: Path, keys: Sequence[str]) -> Pat
     steps = [row["step"] for row in rows]
     figure, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.2), squeeze=False)
     for axis, key in zip(axes[0], keys, strict=True):
-        axis.plot(steps, [row[key] for row in rows])
+        points = [(step, row[key]) for step, row in zip(steps, rows, strict=True)]
+        points = [(x, y) for x, y in points if not math.isnan(y)]  # steps without the metric
+        sparse = len(points) < len(rows)
+        axis.plot([x for x, _ in points], [y for _, y in points], marker="o" if sparse else None)
         axis.set_xlabel("step")
         axis.set_title(key)
         axis.grid(alpha=0.3)

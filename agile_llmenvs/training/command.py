@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -57,6 +58,7 @@ def run_train_command(args: argparse.Namespace) -> int:
             f"Continue with: agile-llmenvs train {args.manifest} --resume"
         )
         return 0
-    summary = ", ".join(f"{k} {v:.4g}" for k, v in (result.metrics or [{}])[-1].items())
+    last = (result.metrics or [{}])[-1]
+    summary = ", ".join(f"{k} {v:.4g}" for k, v in last.items() if not math.isnan(v))
     print(f"trained {result.steps} steps into {result.output_dir}: {summary}")
     return 0

@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from agile_llmenvs.training.learner import Learner, micro_batch_slices, reduce_sum
-from agile_llmenvs.training.logprobs import scored_token_logps
+from agile_llmenvs.training.logprobs import ScoredLogps, scored_token_logps
 from agile_llmenvs.training.losses import (
     LossType,
+    PolicyTokenLoss,
     TokenCounts,
     policy_token_loss,
     token_weights,
@@ -131,6 +132,28 @@ class _Totals:
     step_losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
 
+    def add(
+        self,
+        loss: torch.Tensor,
+        token_loss: PolicyTokenLoss,
+        scored: ScoredLogps,
+        mask_BT: torch.Tensor,
+        *,
+        first: bool,
+    ) -> None:
+        """Count one micro-batch: its loss, ratios and clips; KL and entropy on a first pass."""
+        self.loss += float(loss.detach())
+        self.tokens += float(mask_BT.sum())
+        self.clipped += float(token_loss.clipped_BT[mask_BT].sum())
+        self.ratio += float(token_loss.ratio_BT[mask_BT].sum())
+        if mask_BT.any():
+            self.ratio_max = max(self.ratio_max, float(token_loss.ratio_BT[mask_BT].max()))
+        if first:
+            assert scored.entropy_BT is not None
+            self.first_tokens += float(mask_BT.sum())
+            self.kl += float(token_loss.kl_BT[mask_BT].sum())
+            self.entropy += float(scored.entropy_BT[mask_BT].sum())
+
 
 def grpo_update(
     learner: Learner, batch: PolicyBatch, settings: UpdateSettings, reference: Any = None
@@ -191,15 +214,7 @@ def _micro_loss(
 ) -> torch.Tensor:
     """One micro-batch's share of the global loss, recording its statistics in ``totals``."""
     micro = batch.select(rows)
-    scored = scored_token_logps(
-        model,
-        micro.input_ids_BT,
-        micro.attention_mask_BT,
-        micro.action_mask_BT,
-        temperature=settings.temperature,
-        chunk_tokens=settings.chunk_tokens,
-        with_entropy=first,
-    )
+    scored = _scored(model, micro, settings, with_entropy=first)
     ref = None
     if ref_logps_BT is not None:
         ref = ref_logps_BT[rows, : micro.action_mask_BT.shape[1]]
@@ -211,21 +226,25 @@ def _micro_loss(
         ref_logps_BT=ref,
         beta=settings.beta,
     )
-    mask = micro.action_mask_BT
-    weights_BT = token_weights(settings.loss_type, mask, counts)
-    totals.tokens += float(mask.sum())
-    totals.clipped += float(token_loss.clipped_BT[mask].sum())
-    totals.ratio += float(token_loss.ratio_BT[mask].sum())
-    if mask.any():
-        totals.ratio_max = max(totals.ratio_max, float(token_loss.ratio_BT[mask].max()))
-    if first:
-        assert scored.entropy_BT is not None
-        totals.first_tokens += float(mask.sum())
-        totals.kl += float(token_loss.kl_BT[mask].sum())
-        totals.entropy += float(scored.entropy_BT[mask].sum())
+    weights_BT = token_weights(settings.loss_type, micro.action_mask_BT, counts)
     loss = (token_loss.loss_BT * weights_BT).sum()
-    totals.loss += float(loss.detach())
+    totals.add(loss, token_loss, scored, micro.action_mask_BT, first=first)
     return loss
+
+
+def _scored(
+    model: Any, micro: PolicyBatch, settings: UpdateSettings, *, with_entropy: bool = False
+) -> ScoredLogps:
+    """``model``'s log-probs of the micro-batch's sampled tokens, at the sampling temperature."""
+    return scored_token_logps(
+        model,
+        micro.input_ids_BT,
+        micro.attention_mask_BT,
+        micro.action_mask_BT,
+        temperature=settings.temperature,
+        chunk_tokens=settings.chunk_tokens,
+        with_entropy=with_entropy,
+    )
 
 
 def _with_behaviour_logps(model: Any, batch: PolicyBatch, settings: UpdateSettings) -> PolicyBatch:
@@ -249,15 +268,7 @@ def _score(model: Any, batch: PolicyBatch, settings: UpdateSettings) -> torch.Te
     out_BT = torch.zeros_like(batch.sampling_logps_BT)
     with torch.no_grad():
         for rows in micro_batch_slices(batch.rows, settings.micro_batch_size):
-            micro = batch.select(rows)
-            scored = scored_token_logps(
-                model,
-                micro.input_ids_BT,
-                micro.attention_mask_BT,
-                micro.action_mask_BT,
-                temperature=settings.temperature,
-                chunk_tokens=settings.chunk_tokens,
-            )
+            scored = _scored(model, batch.select(rows), settings)
             out_BT[rows, : scored.logps_BT.shape[1]] = scored.logps_BT
     return out_BT
 

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from training.launch import launch_two
 
 HERE = Path(__file__).resolve().parent
 MANIFEST = HERE.parents[1] / "manifests" / "quickstart.yaml"
@@ -18,25 +16,7 @@ MANIFEST = HERE.parents[1] / "manifests" / "quickstart.yaml"
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
 def test_two_ranks_draw_disjoint_tasks_and_stay_in_sync(tmp_path: Path) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        str(HERE / "distributed_grpo.py"),
-        str(MANIFEST),
-        str(tmp_path),
-    ]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    done = launch_two(HERE / "distributed_grpo.py", str(MANIFEST), str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world_size"] for r in ranks] == [2, 2]

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate import Accelerator
+from training.launch import launch_two
 from training.update_cases import update_delta
 
 from agile_llmenvs.training.grpo_update import UpdateSettings
@@ -68,26 +66,7 @@ def test_two_processes_give_the_one_process_update(
     tiny_model_dir: Path, tmp_path: Path, loss_type: str
 ) -> None:
     output = tmp_path / "delta"
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        str(HERE / "distributed_update.py"),
-        str(tiny_model_dir),
-        loss_type,
-        str(output),
-    ]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    done = launch_two(HERE / "distributed_update.py", str(tiny_model_dir), loss_type, str(output))
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [torch.load(f"{output}.rank{r}", weights_only=False) for r in (0, 1)]
     assert torch.equal(ranks[0]["delta"], ranks[1]["delta"])  # the ranks stay identical

@@ -129,7 +129,8 @@ def _samples(args: argparse.Namespace, samples: int) -> tuple[torch.Tensor, torc
 
 
 def _grpo_step(learner: Any, args: argparse.Namespace, samples: int) -> None:
-    from agile_llmenvs.training.grpo_update import PolicyBatch, UpdateSettings, grpo_update
+    from agile_llmenvs.training.grpo_update import UpdateSettings, grpo_update
+    from agile_llmenvs.training.policy_batch import PolicyBatch
 
     ids, scored = _samples(args, samples)
     batch = PolicyBatch(

@@ -13,22 +13,19 @@ accumulated over micro-batches and normalised as ``loss_type`` says.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from agile_llmenvs.backends.hf import HFBackend
 from agile_llmenvs.backends.types import Generation, SamplingParams
 from agile_llmenvs.llm_envs.collector import RolloutCollector
-from agile_llmenvs.llm_envs.episode import TokenSample
 from agile_llmenvs.llm_envs.trajectory import RolloutBatch
 from agile_llmenvs.specs import LLMEnvSpec, RunManifest, TrainingSpec
 from agile_llmenvs.specs.manifest import VLLMGenerationSpec
@@ -39,16 +36,13 @@ from agile_llmenvs.training.common import (
     reference_model,
     training_spec,
 )
-from agile_llmenvs.training.grpo_update import (
-    PolicyBatch,
-    UpdateSettings,
-    grpo_update,
-)
+from agile_llmenvs.training.grpo_update import UpdateSettings, grpo_update
 from agile_llmenvs.training.held_out import EVAL_METRICS, HeldOutEval
 from agile_llmenvs.training.interrupt import StopRequest
 from agile_llmenvs.training.learner import Learner
 from agile_llmenvs.training.losses import group_advantages
 from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
+from agile_llmenvs.training.policy_batch import PolicyBatch, build_policy_batch
 from agile_llmenvs.training.vllm_engine import PolicyVLLMEngine
 
 __all__ = ["GRPO_METRICS", "PolicyBatch", "build_policy_batch", "train_grpo"]
@@ -79,68 +73,6 @@ GRPO_METRICS = (
     "learning_rate",
     *EVAL_METRICS,
 )
-
-
-def build_policy_batch(
-    rollout: RolloutBatch,
-    advantages: torch.Tensor,
-    pad_id: int,
-    kept: Sequence[bool] | None = None,
-) -> PolicyBatch:
-    """Lay out every token sample of ``rollout``, with its episode's advantage.
-
-    An episode restarted into several samples gives several rows sharing one advantage; a
-    failed episode gives none, and neither does one whose ``kept`` is False (a member of a
-    group left with fewer than two finished episodes). A turn the sampler gave no log-probs
-    for has NaN there (:func:`grpo_update` scores it with the policy).
-
-    Raises:
-        ValueError: a sample's log-probs are neither one per sampled token nor absent.
-    """
-    samples, row_advantages = [], []
-    keep = kept if kept is not None else [True] * len(rollout.trajectories)
-    for trajectory, advantage, keep_it in zip(
-        rollout.trajectories, advantages.tolist(), keep, strict=True
-    ):
-        if not keep_it:
-            continue
-        for sample in trajectory.episode.samples:
-            samples.append(sample)
-            row_advantages.append(advantage)
-    rows = len(samples)
-    width = max((len(sample.token_ids) for sample in samples), default=2)
-    padded = [(sample, width - len(sample.token_ids)) for sample in samples]
-    # flat numpy buffers: torch.tensor on Python lists costs ~4x as much
-    ids = _flat(((*s.token_ids, *(pad_id,) * pad) for s, pad in padded), np.int64)
-    actions = _flat(((*s.action_mask, *(False,) * pad) for s, pad in padded), np.bool_)
-    sampled = _flat((_sampled_logps(sample) for sample in samples), np.float32)
-    input_ids = torch.from_numpy(ids).view(rows, width)
-    action_mask = torch.from_numpy(actions).view(rows, width - 1)
-    lengths = torch.tensor([len(sample.token_ids) for sample in samples])
-    attention_mask = (torch.arange(width) < lengths[:, None]).long()
-    sampling_logps = torch.zeros(rows, width - 1)
-    # each row's sampled tokens, in order, are its mask's True positions, rows in order
-    sampling_logps[action_mask] = torch.from_numpy(sampled)
-    advantages_B = torch.tensor(row_advantages, dtype=torch.float32)
-    return PolicyBatch(input_ids, attention_mask, action_mask, sampling_logps, advantages_B)
-
-
-def _sampled_logps(sample: TokenSample) -> Sequence[float]:
-    """The sample's log-probs, one per sampled token (NaN for all when it has none)."""
-    sampled = sum(sample.action_mask)
-    if len(sample.sampling_logps) == sampled:
-        return sample.sampling_logps
-    if not sample.sampling_logps:
-        return (math.nan,) * sampled
-    raise ValueError(
-        f"a token sample has {len(sample.sampling_logps)} sampling log-probs for {sampled} "
-        "sampled tokens: give one per sampled token, or none (the trainer then scores them)"
-    )
-
-
-def _flat(rows: Iterable[Iterable[Any]], dtype: type) -> np.ndarray:
-    """The rows' values, concatenated, as one numpy array."""
-    return np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype)
 
 
 class _Generator(Protocol):

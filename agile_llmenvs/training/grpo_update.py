@@ -26,8 +26,9 @@ from agile_llmenvs.training.losses import (
     policy_token_loss,
     token_weights,
 )
+from agile_llmenvs.training.policy_batch import PolicyBatch
 
-__all__ = ["GRPO_UPDATE_METRICS", "PolicyBatch", "UpdateSettings", "grpo_update"]
+__all__ = ["GRPO_UPDATE_METRICS", "UpdateSettings", "grpo_update"]
 
 #: The metrics :func:`grpo_update` returns.
 GRPO_UPDATE_METRICS = (
@@ -39,55 +40,6 @@ GRPO_UPDATE_METRICS = (
     "entropy",
     "grad_norm",
 )
-
-
-@dataclass(frozen=True)
-class PolicyBatch:
-    """One rank's rollouts as right-padded training tensors; one row per token sample.
-
-    Attributes:
-        input_ids_BT: Each sample's token ids, then pad ids.
-        attention_mask_BT: 1 on the sample's tokens.
-        action_mask_BT: ``[B, T - 1]``; True where the next token was sampled by the policy.
-        sampling_logps_BT: ``[B, T - 1]``; the sampler's log-prob of that token (0 off the
-            mask; NaN where the sampler gave none).
-        advantages_B: The advantage of the episode each row belongs to.
-    """
-
-    input_ids_BT: torch.Tensor
-    attention_mask_BT: torch.Tensor
-    action_mask_BT: torch.Tensor
-    sampling_logps_BT: torch.Tensor
-    advantages_B: torch.Tensor
-
-    @property
-    def rows(self) -> int:
-        """Rows (token samples) in the batch."""
-        return int(self.input_ids_BT.shape[0])
-
-    def to(self, device: torch.device | str) -> PolicyBatch:
-        """The same batch on ``device``."""
-        return PolicyBatch(*(tensor.to(device) for tensor in self._tensors()))
-
-    def select(self, rows: slice) -> PolicyBatch:
-        """``rows`` of the batch, cut to the longest of them."""
-        width = int(self.attention_mask_BT[rows].sum(dim=1).max().item()) if self.rows else 2
-        return PolicyBatch(
-            self.input_ids_BT[rows, :width],
-            self.attention_mask_BT[rows, :width],
-            self.action_mask_BT[rows, : width - 1],
-            self.sampling_logps_BT[rows, : width - 1],
-            self.advantages_B[rows],
-        )
-
-    def _tensors(self) -> tuple[torch.Tensor, ...]:
-        return (
-            self.input_ids_BT,
-            self.attention_mask_BT,
-            self.action_mask_BT,
-            self.sampling_logps_BT,
-            self.advantages_B,
-        )
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ from fakes import digit_messages
 from training.update_cases import load_model, make_learner
 
 from agile_llmenvs.backends import HFBackend, SamplingParams
-from agile_llmenvs.training.grpo_update import PolicyBatch, UpdateSettings, grpo_update
+from agile_llmenvs.training.grpo_update import UpdateSettings, grpo_update
 from agile_llmenvs.training.logprobs import scored_token_logps
+from agile_llmenvs.training.policy_batch import PolicyBatch
 
 
 def _rollout_batch(model_dir: Path, params: SamplingParams) -> tuple[Any, PolicyBatch]:

@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
-from agile_llmenvs.training.grpo_update import PolicyBatch, UpdateSettings, grpo_update
+from agile_llmenvs.training.grpo_update import UpdateSettings, grpo_update
 from agile_llmenvs.training.learner import Learner
 from agile_llmenvs.training.logprobs import scored_token_logps
+from agile_llmenvs.training.policy_batch import PolicyBatch
 
 ROWS = 7
 LR = 0.1

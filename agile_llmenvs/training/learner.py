@@ -8,11 +8,15 @@ accumulated gradient is the gradient of the whole batch's loss, however it is sp
 Gradients are not averaged by DDP: every micro-batch runs under ``no_sync``, and the
 gradients are summed over processes once, after the last one. Processes may then hold
 different numbers of micro-batches (a failed episode, a restarted one) without a hang, and
-the per-token weights do not change with the number of processes.
+the per-token weights do not change with the number of processes. Under FSDP2 (a model
+``fully_shard`` has wrapped) the gradients are reduce-scattered by FSDP in every backward:
+the loss is scaled by the process count to undo its averaging, and a process with fewer
+micro-batches runs zero-loss passes so that every process joins every collective.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -53,16 +57,31 @@ class Learner:
             The gradient norm before clipping.
         """
         accelerator = self.accelerator
+        sharded = _is_fsdp(self.model)
+        todo: list[MicroBatch | None] = list(micro_batches)
+        if sharded:  # every process must run as many forward/backward passes (collectives)
+            todo += [None] * (_max_over_processes(accelerator, len(todo)) - len(todo))
+        # FSDP averages gradients over processes; the losses are shares of a global sum
+        scale = accelerator.num_processes if sharded else 1
         self.optimizer.zero_grad(set_to_none=False)
-        for micro_batch in micro_batches:
-            with accelerator.no_sync(self.model), accelerator.autocast():
-                loss = loss_of(micro_batch)
-                accelerator.backward(loss)
-        self._sum_gradients()
+        for micro_batch in todo:
+            sync = contextlib.nullcontext() if sharded else accelerator.no_sync(self.model)
+            with sync, accelerator.autocast():
+                loss = loss_of(micro_batch) if micro_batch is not None else self._no_loss()
+                accelerator.backward(loss * scale if scale != 1 else loss)
+        if not sharded:
+            self._sum_gradients()
         grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         return float(grad_norm)
+
+    def _no_loss(self) -> torch.Tensor:
+        """A zero loss through the whole model: a process with no rows left still takes part
+        in FSDP's gathers and reductions."""
+        device = next(self.model.parameters()).device
+        ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+        return self.model(input_ids=ids, logits_to_keep=1).logits.sum() * 0.0
 
     def _sum_gradients(self) -> None:
         """Sum every trainable parameter's gradient over processes, a bucket at a time."""
@@ -96,6 +115,20 @@ def _all_reduce_sum(grads: list[torch.Tensor]) -> None:
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
         offset += grad.numel()
+
+
+def _is_fsdp(model: Any) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _max_over_processes(accelerator: Any, value: int) -> int:
+    if accelerator.num_processes == 1:
+        return value
+    tensor = torch.tensor([value], device=accelerator.device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return int(tensor.item())
 
 
 def micro_batch_slices(rows: int, micro_batch_size: int | None) -> list[slice]:

@@ -59,12 +59,60 @@ def scored_token_logps(
         chunk_tokens: Scored positions whose logits are computed at once.
         with_entropy: Also return each scored position's entropy (no gradient).
     """
-    hidden_BTH = _last_hidden_state(model, input_ids_BT, attention_mask_BT)
-    output_layer = _unwrap(model).get_output_embeddings()
+    hf_model = _unwrap(model)
+    output_layer = hf_model.get_output_embeddings()
+    scored: list[ScoredLogps] = []
+
+    def score(_decoder: Any, _inputs: Any, output: Any) -> None:
+        # inside the model's forward: an FSDP root's own weights are gathered here
+        hidden_BTH = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        scored.append(
+            _score_hidden(
+                hidden_BTH,
+                input_ids_BT,
+                score_mask_BT,
+                output_layer,
+                temperature=temperature,
+                chunk_tokens=chunk_tokens,
+                with_entropy=with_entropy,
+            )
+        )
+
+    handle = hf_model.get_decoder().register_forward_hook(score)
+    try:
+        # the model itself runs (DDP, FSDP and autocast wrappers stay in the path), its own
+        # output layer on one position only
+        model(
+            input_ids=input_ids_BT,
+            attention_mask=attention_mask_BT,
+            logits_to_keep=1,
+            use_cache=False,
+        )
+    finally:
+        handle.remove()
+    return scored[-1]
+
+
+def _score_hidden(
+    hidden_BTH: torch.Tensor,
+    input_ids_BT: torch.Tensor,
+    score_mask_BT: torch.Tensor,
+    output_layer: Any,
+    *,
+    temperature: float,
+    chunk_tokens: int,
+    with_entropy: bool,
+) -> ScoredLogps:
+    """The output layer on the scored positions of ``hidden_BTH``, a chunk at a time."""
     positions = score_mask_BT.nonzero(as_tuple=True)
     hidden_NH = hidden_BTH[:, :-1][positions]
     targets_N = input_ids_BT[:, 1:][positions]
     weight_VH, bias_V = output_layer.weight, output_layer.bias
+    if _is_sharded(weight_VH):
+        raise TypeError(
+            "the output layer's weight is sharded while the decoder runs: shard the model's "
+            "decoder layers and its root module only (the output layer in the root)"
+        )
     device = hidden_NH.device.type
     if torch.is_autocast_enabled(device):  # cast once, not once a chunk
         dtype = torch.get_autocast_dtype(device)
@@ -154,33 +202,10 @@ def _scatter(values: list[torch.Tensor], mask_BT: torch.Tensor, like: torch.Tens
     return out_BT
 
 
-def _last_hidden_state(
-    model: Any, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor
-) -> torch.Tensor:
-    """The decoder's final (normed) hidden state, caught by a hook while ``model`` itself runs.
+def _is_sharded(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
 
-    Calling ``model`` (not its inner decoder) keeps DDP's and ``accelerate``'s autocast
-    wrappers in the path; ``logits_to_keep=1`` makes its own output layer run on one
-    position only.
-    """
-    caught: list[torch.Tensor] = []
-
-    def catch(_module: Any, _inputs: Any, output: Any) -> None:
-        caught.append(
-            output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-        )
-
-    handle = _unwrap(model).get_decoder().register_forward_hook(catch)
-    try:
-        model(
-            input_ids=input_ids_BT,
-            attention_mask=attention_mask_BT,
-            logits_to_keep=1,
-            use_cache=False,
-        )
-    finally:
-        handle.remove()
-    return caught[-1]
+    return isinstance(tensor, DTensor)
 
 
 def _unwrap(model: Any) -> Any:

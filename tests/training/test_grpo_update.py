@@ -74,3 +74,20 @@ def test_two_processes_give_the_one_process_update(
     whole, metrics = update_delta(tiny_model_dir, single, accelerator=Accelerator(cpu=True))
     assert _relative_difference(ranks[0]["delta"], whole) < 1e-5
     assert ranks[0]["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_an_fsdp2_sharded_policy_gives_the_one_process_update(
+    tiny_model_dir: Path, tmp_path: Path, loss_type: str
+) -> None:
+    # FSDP2 (fully_shard) over gloo on CPU: unequal shares, unequal micro-batch counts
+    output = tmp_path / "delta.pt"
+    done = launch_two(HERE / "fsdp_update.py", str(tiny_model_dir), loss_type, str(output))
+    assert done.returncode == 0, done.stderr[-3000:]
+    sharded = torch.load(output, weights_only=False)
+    single = UpdateSettings(loss_type=loss_type, max_completion_tokens=20)  # type: ignore[arg-type]
+    whole, metrics = update_delta(tiny_model_dir, single, accelerator=Accelerator(cpu=True))
+    assert _relative_difference(sharded["delta"], whole) < 1e-5
+    assert sharded["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-5)

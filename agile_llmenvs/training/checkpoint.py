@@ -97,10 +97,11 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
     state = {"rng": _rng_state(), **rank_state}
     _save_synced(state, partial / _RANK_FILE.format(rank=accelerator.process_index))
+    weights, optimizer_state = _full_state(model, optimizer)
     if main:
-        accelerator.unwrap_model(model).save_pretrained(partial / "model")
+        accelerator.unwrap_model(model).save_pretrained(partial / "model", state_dict=weights)
         tokenizer.save_pretrained(partial / "model")
-        trainer: dict[str, Any] = {"step": step, "optimizer": optimizer.state_dict()}
+        trainer: dict[str, Any] = {"step": step, "optimizer": optimizer_state}
         if scheduler is not None:
             trainer["scheduler"] = scheduler.state_dict()
         _save_synced(trainer, partial / _TRAINER_FILE)
@@ -165,12 +166,46 @@ def load_checkpoint(
     directory = checkpoint.directory
     _load_weights(directory / "model", accelerator.unwrap_model(model))
     trainer = _load_plain(directory / _TRAINER_FILE)
-    optimizer.load_state_dict(trainer["optimizer"])
+    if _is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(model, optimizer, trainer["optimizer"], options=options)
+    else:
+        optimizer.load_state_dict(trainer["optimizer"])
     if scheduler is not None and "scheduler" in trainer:
         scheduler.load_state_dict(trainer["scheduler"])
     state = _load_plain(directory / _RANK_FILE.format(rank=accelerator.process_index))
     _set_rng_state(state.pop("rng"))
     return int(trainer["step"]), state
+
+
+def _is_fsdp(model: Any) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _full_state(model: Any, optimizer: torch.optim.Optimizer) -> tuple[Any, dict[str, Any]]:
+    """The weights to save (``None``: the model's own) and the optimizer state.
+
+    An FSDP2 model's weights and optimizer state are gathered whole, on the CPU of the main
+    process (every process takes part), so the checkpoint is the one a single process saves.
+    """
+    if not _is_fsdp(model):
+        return None, optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    return weights, get_optimizer_state_dict(model, optimizer, options=options)
 
 
 def _save_synced(obj: Any, path: Path) -> None:
@@ -278,7 +313,13 @@ def _load_weights(directory: Path, policy: Any) -> None:
     for shard in shards:
         weights.update(load_file(str(shard)))
     _check_keys(directory, policy, weights)
-    policy.load_state_dict(weights, strict=False)
+    if _is_fsdp(policy):  # every process loads the whole file into its shards
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(policy, dict[str, Any](weights), options=options)
+    else:
+        policy.load_state_dict(weights, strict=False)
 
 
 def _shards(index: Path) -> list[Path]:
@@ -296,10 +337,8 @@ def _check_keys(directory: Path, policy: Any, weights: Mapping[str, torch.Tensor
     missing from the file is fine when another key of the same tensor is in it.
     """
     tensors = policy.state_dict(keep_vars=True)
-    saved_storage = {tensors[k].data_ptr() for k in weights if k in tensors}
-    missing = [
-        k for k in tensors if k not in weights and tensors[k].data_ptr() not in saved_storage
-    ]
+    saved = {id(tensors[k]) for k in weights if k in tensors}  # tied weights: one parameter
+    missing = [k for k in tensors if k not in weights and id(tensors[k]) not in saved]
     unexpected = [k for k in weights if k not in tensors]
     if missing or unexpected:
         raise CheckpointError(

@@ -132,6 +132,14 @@ def reference_model(policy: Any, device: Any) -> Any:
     """
     if is_lora(policy):
         return AdaptersOffReference(policy)
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(policy, FSDPModule):
+        raise AgileLLMEnvsError(
+            "a frozen reference (GRPO's `beta`, or DPO) of an FSDP-sharded policy is not "
+            "supported yet: train LoRA adapters (their reference is the base model) or run "
+            "data parallel"
+        )
     reference = copy.deepcopy(policy).to(device).eval()
     reference.requires_grad_(False)
     return reference

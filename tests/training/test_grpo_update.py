@@ -9,7 +9,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from training.launch import launch_two
-from training.update_cases import update_delta
+from training.update_cases import load_model, update_delta
 
 from agile_llmenvs.training.grpo_update import UpdateSettings
 
@@ -91,3 +91,26 @@ def test_an_fsdp2_sharded_policy_gives_the_one_process_update(
     whole, metrics = update_delta(tiny_model_dir, single, accelerator=Accelerator(cpu=True))
     assert _relative_difference(sharded["delta"], whole) < 1e-5
     assert sharded["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
+def test_hf_generation_on_an_fsdp2_policy_equals_the_unsharded_one(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    from agile_llmenvs.backends import HFBackend, SamplingParams
+
+    done = launch_two(HERE / "fsdp_generate.py", str(tiny_model_dir), str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]  # no hang though the budgets differ
+    backend = HFBackend.from_model(
+        load_model(tiny_model_dir).eval(), AutoTokenizer.from_pretrained(tiny_model_dir)
+    )
+    prompts = ([5, 6, 7], [9, 10, 11, 12, 13])
+    for rank, (prompt, budget) in enumerate(zip(prompts, (3, 9), strict=True)):
+        sharded = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        params = SamplingParams(max_tokens=budget, temperature=1.0, seed=rank)
+        plain = backend.generate([prompt], params)[0]
+        assert sharded["ids"] == list(plain.token_ids)
+        assert sharded["logps"] == pytest.approx(list(plain.logprobs), abs=1e-5)

@@ -101,7 +101,7 @@ class HFBackend(LocalChatBackend):
             return []
         input_ids, attention_mask = self._left_pad(prompts)
         sampler = _sampler(params)
-        with torch.random.fork_rng(devices=[]), torch.inference_mode():
+        with torch.random.fork_rng(devices=[]), self._no_grad():
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             # Without return_dict_in_generate only the ids come back: no per-step logits, and
@@ -118,6 +118,14 @@ class HFBackend(LocalChatBackend):
             self._finish(ids, lps, params)
             for ids, lps in zip(new_ids.tolist(), logprobs.tolist(), strict=True)
         ]
+
+    def _no_grad(self) -> Any:
+        """``inference_mode``, or plain ``no_grad`` for an FSDP-sharded model: the weights it
+        gathers for a forward are kept for training, which cannot update inference tensors."""
+        import torch
+        from torch.distributed.fsdp import FSDPModule
+
+        return torch.no_grad() if isinstance(self.model, FSDPModule) else torch.inference_mode()
 
     def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[Any, Any]:
         import torch

@@ -211,6 +211,11 @@ class TrainingSpec(BaseModel):
         description="Scored positions whose logits are held at once (memory: this x vocab "
         "x 4 bytes, a few times over).",
     )
+    fsdp: bool = Field(
+        False,
+        description="Shard the policy over the processes with FSDP2 (every decoder layer, "
+        "then the root); launch several with `accelerate launch` or `torchrun`.",
+    )
     gradient_checkpointing: bool = Field(
         False, description="Recompute the decoder's activations in the backward pass."
     )
@@ -253,6 +258,10 @@ class TrainingSpec(BaseModel):
             )
         if self.vllm is not None and self.generation_backend != "vllm":
             raise fail("vllm", "engine settings need `generation_backend: vllm`")
+        if self.fsdp and self.lora is not None:
+            raise fail("fsdp", "sharding a LoRA policy is not supported yet: drop one of them")
+        if self.fsdp and self.generation_backend == "vllm":
+            raise fail("fsdp", "vLLM generation runs in one process; FSDP needs several")
         if self.eval_every and self.algorithm != "grpo":
             raise fail(
                 "eval_every", f"evaluation during training runs for grpo, not {self.algorithm!r}"

@@ -26,6 +26,7 @@ import torch
 
 from agile_llmenvs.errors import CheckpointError
 from agile_llmenvs.training.lora import is_lora
+from agile_llmenvs.training.sharding import is_sharded
 
 __all__ = [
     "CHECKPOINT_PREFIX",
@@ -166,7 +167,7 @@ def load_checkpoint(
     directory = checkpoint.directory
     _load_weights(directory / "model", accelerator.unwrap_model(model))
     trainer = _load_plain(directory / _TRAINER_FILE)
-    if _is_fsdp(model):
+    if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_optimizer_state_dict,
@@ -183,19 +184,13 @@ def load_checkpoint(
     return int(trainer["step"]), state
 
 
-def _is_fsdp(model: Any) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def _full_state(model: Any, optimizer: torch.optim.Optimizer) -> tuple[Any, dict[str, Any]]:
     """The weights to save (``None``: the model's own) and the optimizer state.
 
     An FSDP2 model's weights and optimizer state are gathered whole, on the CPU of the main
     process (every process takes part), so the checkpoint is the one a single process saves.
     """
-    if not _is_fsdp(model):
+    if not is_sharded(model):
         return None, optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -313,7 +308,7 @@ def _load_weights(directory: Path, policy: Any) -> None:
     for shard in shards:
         weights.update(load_file(str(shard)))
     _check_keys(directory, policy, weights)
-    if _is_fsdp(policy):  # every process loads the whole file into its shards
+    if is_sharded(policy):  # every process loads the whole file into its shards
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, strict=False)

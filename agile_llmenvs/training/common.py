@@ -15,6 +15,7 @@ from agile_llmenvs.specs import ModelSpec, RunManifest, TrainingSpec
 from agile_llmenvs.training.learner import Learner
 from agile_llmenvs.training.lora import AdaptersOffReference, apply_lora, is_lora
 from agile_llmenvs.training.optim import check_master_weights, make_optimizer, make_scheduler
+from agile_llmenvs.training.sharding import is_sharded, shard_policy
 
 __all__ = [
     "TrainResult",
@@ -110,10 +111,17 @@ def prepare_policy(
     check_master_weights(model)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = make_optimizer(
-        model, learning_rate=config.learning_rate, weight_decay=config.weight_decay
-    )
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if config.fsdp:  # sharded by us, so not wrapped (in DDP) by accelerate
+        model = shard_policy(model, accelerator.device)
+        optimizer = make_optimizer(
+            model, learning_rate=config.learning_rate, weight_decay=config.weight_decay
+        )
+        optimizer = accelerator.prepare(optimizer)
+    else:
+        optimizer = make_optimizer(
+            model, learning_rate=config.learning_rate, weight_decay=config.weight_decay
+        )
+        model, optimizer = accelerator.prepare(model, optimizer)
     scheduler = make_scheduler(
         optimizer,
         config.lr_scheduler,
@@ -132,9 +140,7 @@ def reference_model(policy: Any, device: Any) -> Any:
     """
     if is_lora(policy):
         return AdaptersOffReference(policy)
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(policy, FSDPModule):
+    if is_sharded(policy):
         raise AgileLLMEnvsError(
             "a frozen reference (GRPO's `beta`, or DPO) of an FSDP-sharded policy is not "
             "supported yet: train LoRA adapters (their reference is the base model) or run "

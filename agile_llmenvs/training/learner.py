@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from agile_llmenvs.training.sharding import is_sharded
+
 __all__ = ["Learner", "micro_batch_slices", "reduce_sum"]
 
 MicroBatch = TypeVar("MicroBatch")
@@ -57,7 +59,7 @@ class Learner:
             The gradient norm before clipping.
         """
         accelerator = self.accelerator
-        sharded = _is_fsdp(self.model)
+        sharded = is_sharded(self.model)
         todo: list[MicroBatch | None] = list(micro_batches)
         if sharded:  # every process must run as many forward/backward passes (collectives)
             todo += [None] * (_max_over_processes(accelerator, len(todo)) - len(todo))
@@ -115,12 +117,6 @@ def _all_reduce_sum(grads: list[torch.Tensor]) -> None:
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
         offset += grad.numel()
-
-
-def _is_fsdp(model: Any) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
 
 
 def _max_over_processes(accelerator: Any, value: int) -> int:

@@ -1,7 +1,8 @@
 """Run under ``accelerate launch``: one GRPO step, then each rank writes what it drew and saw.
 
-Usage: ``distributed_grpo.py MANIFEST OUTPUT_DIR``; rank ``r`` writes ``OUTPUT_DIR/rank{r}.json``
-with the dataset rows of its groups and its parameters after the step.
+Usage: ``distributed_grpo.py MANIFEST OUTPUT_DIR [fsdp]``; rank ``r`` writes
+``OUTPUT_DIR/rank{r}.json`` with the dataset rows of its groups, the first values of each of
+its (whole) parameters after the steps, and the steps' metrics; ``fsdp`` shards the policy.
 """
 
 from __future__ import annotations
@@ -25,15 +26,32 @@ def _recording_collect(self: RolloutCollector, *args: Any, **kwargs: Any) -> Any
     return batch
 
 
+def _whole(param: Any) -> Any:
+    """A parameter's full value (an FSDP2 shard gathered)."""
+    full = getattr(param, "full_tensor", None)
+    return (full() if callable(full) else param).detach()
+
+
+steps: list[dict[str, float]] = []
+write_row = grpo._step
+
+
+def _recording_step(*args: Any, **kwargs: Any) -> dict[str, float]:
+    row = write_row(*args, **kwargs)
+    steps.append(row)
+    return row
+
+
 def _recording_save(output_dir: Path, step: int, run: Any) -> Path:
     policy = run.accelerator.unwrap_model(run.model)
-    params = [p.detach().flatten()[:8].tolist() for p in policy.parameters()]
+    params = [_whole(p).flatten()[:8].tolist() for p in policy.parameters()]
     rank = run.accelerator.process_index
     record = {
         "world_size": run.accelerator.num_processes,
         "rows": rows,
         "params": params,
         "grad_steps": step,
+        "metrics": [{k: row[k] for k in ("loss", "reward_mean", "grad_norm")} for row in steps],
     }
     (output_dir / f"rank{rank}.json").write_text(json.dumps(record))
     return output_dir
@@ -42,10 +60,17 @@ def _recording_save(output_dir: Path, step: int, run: Any) -> Path:
 if __name__ == "__main__":
     RolloutCollector.collect = _recording_collect  # type: ignore[method-assign]
     grpo._save = _recording_save  # type: ignore[assignment]
+    grpo._step = _recording_step  # type: ignore[assignment]
     manifest = load_manifest(sys.argv[1])
     assert manifest.training is not None
     training = manifest.training.model_copy(
-        update={"max_steps": 2, "batch_size": 4, "group_size": 4, "output_dir": sys.argv[2]}
+        update={
+            "max_steps": 2,
+            "batch_size": 4,
+            "group_size": 4,
+            "output_dir": sys.argv[2],
+            "fsdp": sys.argv[3:] == ["fsdp"],
+        }
     )
     Path(sys.argv[2]).mkdir(parents=True, exist_ok=True)
     # a dense reward, so each rank's gradient is its own and only the all-reduce syncs them

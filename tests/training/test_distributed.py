@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from training.launch import launch_two
+import torch
+from training.launch import TWO_PROCESSES, accelerate_launch, launch_two
+
+from agile_llmenvs.specs import RunManifest
+from agile_llmenvs.specs.manifest import dump_manifest
+from agile_llmenvs.training.checkpoint import find_checkpoint
+from agile_llmenvs.training.metrics import read_metrics
 
 HERE = Path(__file__).resolve().parent
 MANIFEST = HERE.parents[1] / "manifests" / "quickstart.yaml"
@@ -25,3 +32,74 @@ def test_two_ranks_draw_disjoint_tasks_and_stay_in_sync(tmp_path: Path) -> None:
     assert not set(ranks[0]["rows"]) & set(ranks[1]["rows"])
     assert ranks[0]["params"] == ranks[1]["params"]
     assert ranks[0]["grad_steps"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
+def test_fsdp_trains_as_data_parallel_does(tmp_path: Path) -> None:
+    runs = {}
+    for mode in ("ddp", "fsdp"):
+        out = tmp_path / mode
+        args = [str(MANIFEST), str(out)] + (["fsdp"] if mode == "fsdp" else [])
+        done = launch_two(HERE / "distributed_grpo.py", *args)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[mode] = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ddp, fsdp = runs["ddp"], runs["fsdp"]
+    assert [r["rows"] for r in fsdp] == [r["rows"] for r in ddp]  # the same tasks
+    assert fsdp[0]["params"] == fsdp[1]["params"]  # the gathered weights agree
+    for ours, theirs in zip(fsdp[0]["metrics"], ddp[0]["metrics"], strict=True):
+        assert ours == pytest.approx(theirs, rel=1e-4, abs=1e-6)
+    for ours, theirs in zip(fsdp[0]["params"], ddp[0]["params"], strict=True):
+        assert ours == pytest.approx(theirs, rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
+def test_the_train_command_shards_checkpoints_and_resumes_under_fsdp(
+    make_manifest: Callable[..., RunManifest], tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    path = tmp_path / "fsdp.yaml"
+    settings = {"batch_size": 4, "group_size": 4, "fsdp": True, "output_dir": str(out)}
+    dump_manifest(make_manifest("quickstart.yaml", max_steps=2, **settings), path)
+    done = accelerate_launch(TWO_PROCESSES, "-m", "agile_llmenvs", "train", str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    dump_manifest(make_manifest("quickstart.yaml", max_steps=3, **settings), path)
+    resumed = accelerate_launch(
+        TWO_PROCESSES, "-m", "agile_llmenvs", "train", str(path), "--resume"
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "trained 3 steps" in resumed.stdout
+    rows = read_metrics(out / "metrics.csv")
+    assert [int(row["step"]) for row in rows] == [1, 2, 3]
+    checkpoint = find_checkpoint(out)
+    assert checkpoint is not None
+    assert (checkpoint.step, checkpoint.world_size) == (3, 2)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(checkpoint.directory / "model")  # whole, unsharded
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+)
+def test_accelerates_fsdp2_plugin_trains_and_checkpoints(
+    make_manifest: Callable[..., RunManifest], tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    path = tmp_path / "plugin.yaml"
+    dump_manifest(
+        make_manifest(
+            "quickstart.yaml", max_steps=2, batch_size=4, group_size=4, output_dir=str(out)
+        ),
+        path,
+    )
+    config = HERE.parents[1] / "manifests" / "accelerate" / "fsdp2.yaml"
+    done = accelerate_launch(
+        ["--config_file", str(config)], "-m", "agile_llmenvs", "train", str(path), cpu=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoint = find_checkpoint(out)
+    assert checkpoint is not None
+    assert checkpoint.step == 2

@@ -71,17 +71,21 @@ class UpdateSettings:
 
 @dataclass
 class _Totals:
-    """Sums over the update's micro-batches, on this process."""
+    """Sums over the update's micro-batches, on this process.
 
-    loss: float = 0.0
-    tokens: float = 0.0
-    clipped: float = 0.0
-    ratio: float = 0.0
-    ratio_max: float = 0.0
-    first_tokens: float = 0.0
-    kl: float = 0.0
-    entropy: float = 0.0
-    step_losses: list[float] = field(default_factory=list)
+    They stay tensors on the device until :func:`_metrics` reads them once: a ``float()`` per
+    micro-batch would wait for the device every time.
+    """
+
+    loss: Any = 0.0
+    tokens: Any = 0.0
+    clipped: Any = 0.0
+    ratio: Any = 0.0
+    first_tokens: Any = 0.0
+    kl: Any = 0.0
+    entropy: Any = 0.0
+    ratio_maxes: list[torch.Tensor] = field(default_factory=list)
+    step_losses: list[Any] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
 
     def add(
@@ -94,17 +98,16 @@ class _Totals:
         first: bool,
     ) -> None:
         """Count one micro-batch: its loss, ratios and clips; KL and entropy on a first pass."""
-        self.loss += float(loss.detach())
-        self.tokens += float(mask_BT.sum())
-        self.clipped += float(token_loss.clipped_BT[mask_BT].sum())
-        self.ratio += float(token_loss.ratio_BT[mask_BT].sum())
-        if mask_BT.any():
-            self.ratio_max = max(self.ratio_max, float(token_loss.ratio_BT[mask_BT].max()))
+        self.loss = self.loss + loss.detach()
+        self.tokens = self.tokens + mask_BT.sum()
+        self.clipped = self.clipped + (token_loss.clipped_BT & mask_BT).sum()
+        self.ratio = self.ratio + (token_loss.ratio_BT * mask_BT).sum()
+        self.ratio_maxes.append((token_loss.ratio_BT * mask_BT).max())  # ratios are > 0
         if first:
             assert scored.entropy_BT is not None
-            self.first_tokens += float(mask_BT.sum())
-            self.kl += float(token_loss.kl_BT[mask_BT].sum())
-            self.entropy += float(scored.entropy_BT[mask_BT].sum())
+            self.first_tokens = self.first_tokens + mask_BT.sum()
+            self.kl = self.kl + (token_loss.kl_BT * mask_BT).sum()
+            self.entropy = self.entropy + (scored.entropy_BT * mask_BT).sum()
 
 
 def grpo_update(
@@ -258,7 +261,8 @@ def _metrics(accelerator: Any, totals: _Totals) -> dict[str, float]:
         *totals.step_losses,
     ]
     tokens, clipped, ratio, first_tokens, kl, entropy, *losses = reduce_sum(accelerator, sums)
-    ratio_max = torch.tensor(totals.ratio_max, device=accelerator.device)
+    local_max = max((float(m) for m in totals.ratio_maxes), default=0.0)
+    ratio_max = torch.tensor(local_max, device=accelerator.device)
     if accelerator.num_processes > 1:
         torch.distributed.all_reduce(ratio_max, op=torch.distributed.ReduceOp.MAX)
     return {

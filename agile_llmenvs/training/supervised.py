@@ -98,24 +98,14 @@ def train_on_dataset(
     accelerator = learner.accelerator
     objective = make_objective(accelerator.unwrap_model(learner.model), accelerator)
     env = _dataset_env(manifest, tokenizer, accelerator)
-    start_step = 0
-    if resume:
-        start_step, rank_state = load_checkpoint(
-            output_dir,
-            accelerator=accelerator,
-            model=learner.model,
-            optimizer=learner.optimizer,
-            scheduler=learner.scheduler,
-        )
-        env.load_state_dict(rank_state["env"])
+    start_step = _resume(output_dir, learner, env) if resume else 0
     main = accelerator.is_main_process
     writer = None
     if main:
-        resume_step = start_step if resume else None
         writer = MetricsWriter(
             output_dir / "metrics.csv",
             metric_keys,
-            resume_step=resume_step,
+            resume_step=start_step if resume else None,
             tensorboard=config.tensorboard,
         )
 
@@ -145,6 +135,19 @@ def train_on_dataset(
     return TrainResult(
         output_dir, done, history, output_dir / "metrics.csv", checkpoint_dir, stopped_by
     )
+
+
+def _resume(output_dir: Path, learner: Learner, env: Any) -> int:
+    """Load the newest complete checkpoint into the learner and the env; its step."""
+    start_step, rank_state = load_checkpoint(
+        output_dir,
+        accelerator=learner.accelerator,
+        model=learner.model,
+        optimizer=learner.optimizer,
+        scheduler=learner.scheduler,
+    )
+    env.load_state_dict(rank_state["env"])
+    return start_step
 
 
 def _step(

@@ -103,3 +103,20 @@ def test_accelerates_fsdp2_plugin_trains_and_checkpoints(
     checkpoint = find_checkpoint(out)
     assert checkpoint is not None
     assert checkpoint.step == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
+def test_sft_under_fsdp_follows_data_parallel(
+    make_manifest: Callable[..., RunManifest], tmp_path: Path
+) -> None:
+    losses = {}
+    for fsdp in (False, True):
+        out = tmp_path / f"fsdp-{fsdp}"
+        path = tmp_path / f"sft-{fsdp}.yaml"
+        manifest = make_manifest("sft_digits.yaml", max_steps=3, fsdp=fsdp, output_dir=str(out))
+        dump_manifest(manifest, path)
+        done = accelerate_launch(TWO_PROCESSES, "-m", "agile_llmenvs", "train", str(path))
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses[fsdp] = [row["loss"] for row in read_metrics(out / "metrics.csv")]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)

@@ -125,3 +125,26 @@ class RowEnv:
 
     def close(self) -> None:
         pass
+
+
+class SeededTurnsEnv:
+    """An episode lasts ``1 + seed % 3`` turns, so episodes of different tasks (and the
+    processes that play them) take different numbers of turns; the reward is the share of
+    digits in the action."""
+
+    max_turns = 3
+
+    def __init__(self) -> None:
+        self.turn, self.length = 0, 1
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> tuple[str, dict[str, Any]]:
+        self.turn, self.length = 0, 1 + (seed or 0) % 3
+        return f"Say {self.length} digits, one per turn.", {}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        self.turn += 1
+        reward = sum(c.isdigit() for c in action) / max(len(action), 1)
+        return f"turn {self.turn}", reward, self.turn >= self.length, False, {}
+
+    def close(self) -> None:
+        pass

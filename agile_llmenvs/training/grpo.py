@@ -43,6 +43,7 @@ from agile_llmenvs.training.learner import Learner
 from agile_llmenvs.training.losses import group_advantages
 from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
 from agile_llmenvs.training.policy_batch import PolicyBatch, build_policy_batch
+from agile_llmenvs.training.sharding import GenerationSync, is_sharded
 from agile_llmenvs.training.vllm_engine import PolicyVLLMEngine
 
 __all__ = ["GRPO_METRICS", "PolicyBatch", "build_policy_batch", "train_grpo"]
@@ -89,11 +90,14 @@ class _Sampler:
     params: SamplingParams
     seconds: float = 0.0
     calls: int = 0
+    sync: GenerationSync | None = None  # a sharded policy: calls paired across processes
 
     def __call__(
         self, contexts: list[list[int]]
     ) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
         start = time.perf_counter()
+        if self.sync is not None:
+            self.sync.before_generate()
         seed = None if self.params.seed is None else self.params.seed + self.calls
         generations = self.backend.generate(contexts, dataclasses.replace(self.params, seed=seed))
         self.calls += 1
@@ -333,7 +337,9 @@ def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
         top_k=config.top_k,
     )
     sampler = _Sampler(
-        engine.backend if engine else HFBackend.from_model(policy, tokenizer), params
+        engine.backend if engine else HFBackend.from_model(policy, tokenizer),
+        params,
+        sync=GenerationSync(accelerator.device) if is_sharded(policy) else None,
     )
     collector = None
     try:
@@ -422,6 +428,9 @@ def _collect(run: _Run, config: TrainingSpec, seed: int) -> tuple[RolloutBatch, 
     run.accelerator.unwrap_model(run.model).eval()
     with torch.no_grad():
         rollout = run.collector.collect(run.sampler, dynamic_sampling=config.dynamic_sampling)
+        if run.sampler.sync is not None:
+            one_token = SamplingParams(max_tokens=1, temperature=0.0)
+            run.sampler.sync.drain(lambda: run.sampler.backend.generate([[0]], one_token))
     rewards_GN = torch.tensor([t.reward for t in rollout.trajectories])
     return rollout, rewards_GN.view(-1, config.group_size)
 

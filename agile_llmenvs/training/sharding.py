@@ -9,11 +9,12 @@ embeddings, the final norm and the output layer (where the scored-token log-prob
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["is_sharded", "shard_policy"]
+__all__ = ["GenerationSync", "any_process", "is_sharded", "shard_policy"]
 
 
 def is_sharded(model: Any) -> bool:
@@ -43,3 +44,32 @@ def shard_policy(model: Any, device: torch.device) -> Any:
         fully_shard(layer)
     fully_shard(model)
     return model
+
+
+def any_process(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is true on any process (every process must call it)."""
+    value = torch.tensor([float(flag)], device=device)
+    torch.distributed.all_reduce(value)
+    return bool(value.item() > 0)
+
+
+class GenerationSync:
+    """Keeps the processes' generate calls paired on a sharded policy.
+
+    Each generate call of a sharded model gathers weights with every process, but the
+    processes' episodes last different numbers of turns. Every real call is announced
+    (:meth:`before_generate`); a process whose episodes are done then joins the others'
+    remaining calls with one-token calls of its own (:meth:`drain`) until no process is left.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def before_generate(self) -> None:
+        """Announce a real generate call (paired with the others' announcements or drains)."""
+        any_process(True, self.device)
+
+    def drain(self, generate_one: Callable[[], object]) -> None:
+        """After this process's last real call: join the others' until none is left."""
+        while any_process(False, self.device):
+            generate_one()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from training.launch import TWO_PROCESSES, accelerate_launch, launch_two
 
-from agile_llmenvs.specs import RunManifest
+from agile_llmenvs.specs import LLMEnvSpec, ModelSpec, RunManifest, TrainingSpec
 from agile_llmenvs.specs.manifest import dump_manifest
 from agile_llmenvs.training.checkpoint import find_checkpoint
 from agile_llmenvs.training.metrics import read_metrics
@@ -120,3 +120,36 @@ def test_sft_under_fsdp_follows_data_parallel(
         assert done.returncode == 0, done.stderr[-3000:]
         losses[fsdp] = [row["loss"] for row in read_metrics(out / "metrics.csv")]
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
+def test_multi_turn_grpo_under_fsdp_pairs_the_generate_calls(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # episodes of 1-3 turns by task seed: the processes make different numbers of generate
+    # calls, which a sharded model can only serve paired
+    monkeypatch.setenv("PYTHONPATH", str(HERE.parent))
+    metrics = {}
+    for fsdp in (False, True):
+        out = tmp_path / f"fsdp-{fsdp}"
+        manifest = RunManifest(
+            env=LLMEnvSpec(env_type="rollout", entrypoint="echo_envs:SeededTurnsEnv", max_turns=3),
+            model=ModelSpec(path=str(tiny_model_dir)),
+            training=TrainingSpec(
+                algorithm="grpo",
+                max_steps=2,
+                batch_size=4,
+                group_size=2,
+                max_new_tokens=4,
+                fsdp=fsdp,
+                output_dir=str(out),
+            ),
+        )
+        path = tmp_path / f"turns-{fsdp}.yaml"
+        dump_manifest(manifest, path)
+        done = accelerate_launch(TWO_PROCESSES, "-m", "agile_llmenvs", "train", str(path))
+        assert done.returncode == 0, done.stderr[-3000:]
+        metrics[fsdp] = [(r["reward_mean"], r["loss"]) for r in read_metrics(out / "metrics.csv")]
+    for sharded, plain in zip(metrics[True], metrics[False], strict=True):
+        assert sharded == pytest.approx(plain, rel=1e-4, abs=1e-6)

@@ -21,7 +21,6 @@ __all__ = [
     "approx_kl",
     "dpo_loss",
     "group_advantages",
-    "masked_mean",
     "policy_token_loss",
     "token_weights",
 ]
@@ -64,12 +63,6 @@ def group_advantages(
         variance_G1 = (centred_GN**2).sum(dim=1, keepdim=True) / count_G1.clamp(min=1.0)
         centred_GN = centred_GN / (variance_G1.sqrt() + eps)
     return torch.where(kept_GN, centred_GN, torch.zeros_like(centred_GN)), kept_GN
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values`` where ``mask`` is true (0 when nothing is masked in)."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from agile_llmenvs.training.losses import (
     approx_kl,
     dpo_loss,
     group_advantages,
-    masked_mean,
     policy_token_loss,
     token_weights,
 )
@@ -64,13 +63,6 @@ def test_a_group_left_with_one_finished_member_is_dropped() -> None:
     assert kept.tolist() == [[False, False, False], [True, True, True]]
     assert advantages[0].tolist() == [0.0, 0.0, 0.0]
     assert advantages[1].tolist() == pytest.approx([1 / 3, -2 / 3, 1 / 3])
-
-
-def test_masked_mean_ignores_masked_out_positions() -> None:
-    values = torch.tensor([[1.0, 100.0], [3.0, 5.0]])
-    mask = torch.tensor([[True, False], [True, True]])
-    assert masked_mean(values, mask).item() == pytest.approx(3.0)
-    assert masked_mean(values, torch.zeros_like(mask)).item() == 0.0
 
 
 # Two rows on this process: row 0 samples 2 tokens, row 1 samples 1. The global batch (two

@@ -125,16 +125,10 @@ def find_checkpoint(output_dir: Path) -> Checkpoint | None:
         return None
     for partial in sorted(output_dir.glob(f"{CHECKPOINT_PREFIX}*{_PARTIAL}")):
         logger.warning("ignoring %s: a checkpoint save that did not finish", partial)
-    candidates = []
-    for directory in output_dir.iterdir():
-        match = _NAME.match(directory.name)
-        if match and directory.is_dir():
-            candidates.append((int(match.group(1)), directory))
-    for step, directory in sorted(candidates, reverse=True):
-        problem = _verify(directory)
-        if problem is None:
-            world_size = json.loads((directory / _MANIFEST).read_text())["world_size"]
-            return Checkpoint(directory, step, int(world_size))
+    for step, directory in _published(output_dir):
+        manifest, problem = _read_verified(directory)
+        if manifest is not None:
+            return Checkpoint(directory, step, int(manifest["world_size"]))
         logger.warning("ignoring %s: %s", directory, problem)
     return None
 
@@ -245,32 +239,39 @@ def _publish(partial: Path, final: Path, *, step: int, world_size: int) -> None:
         os.close(directory_fd)
 
 
-def _verify(directory: Path) -> str | None:
-    """Why ``directory`` is not a complete checkpoint (``None`` when it is)."""
+def _published(output_dir: Path) -> list[tuple[int, Path]]:
+    """The ``checkpoint-<step>`` folders, newest first (complete or not)."""
+    found = []
+    for directory in output_dir.iterdir():
+        match = _NAME.match(directory.name)
+        if match and directory.is_dir():
+            found.append((int(match.group(1)), directory))
+    return sorted(found, reverse=True)
+
+
+def _read_verified(directory: Path) -> tuple[dict[str, Any] | None, str]:
+    """``directory``'s manifest when every file it lists is there at its size, else why not."""
     path = directory / _MANIFEST
     if not path.exists():
-        return "it has no manifest.json (a save that did not finish)"
+        return None, "it has no manifest.json (a save that did not finish)"
     try:
-        recorded = json.loads(path.read_text(encoding="utf-8"))["files"]
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        recorded = manifest["files"]
     except (ValueError, KeyError) as exc:
-        return f"its manifest.json is unreadable ({exc})"
+        return None, f"its manifest.json is unreadable ({exc})"
     actual = _files(directory)
     for name, size in recorded.items():
         if name not in actual:
-            return f"{name} is missing"
+            return None, f"{name} is missing"
         if actual[name] != size:
-            return f"{name} has {actual[name]} bytes, {size} when saved"
-    return None
+            return None, f"{name} has {actual[name]} bytes, {size} when saved"
+    return manifest, ""
 
 
 def _prune(output_dir: Path, keep: int) -> None:
     """Remove all but the newest ``keep`` complete checkpoints."""
-    complete = []
-    for directory in output_dir.iterdir():
-        match = _NAME.match(directory.name)
-        if match and _verify(directory) is None:
-            complete.append((int(match.group(1)), directory))
-    for _, directory in sorted(complete, reverse=True)[keep:]:
+    complete = [d for _, d in _published(output_dir) if _read_verified(d)[0] is not None]
+    for directory in complete[keep:]:
         shutil.rmtree(directory)
 
 

@@ -16,15 +16,14 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from agile_llmenvs.backends.hf import HFBackend
-from agile_llmenvs.backends.types import Generation, SamplingParams
+from agile_llmenvs.backends.types import SamplingParams
 from agile_llmenvs.llm_envs.collector import RolloutCollector
 from agile_llmenvs.llm_envs.trajectory import RolloutBatch
 from agile_llmenvs.specs import LLMEnvSpec, RunManifest, TrainingSpec
@@ -43,6 +42,7 @@ from agile_llmenvs.training.learner import Learner
 from agile_llmenvs.training.losses import group_advantages
 from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
 from agile_llmenvs.training.policy_batch import PolicyBatch, build_policy_batch
+from agile_llmenvs.training.sampling import Sampler
 from agile_llmenvs.training.sharding import GenerationSync, is_sharded
 from agile_llmenvs.training.vllm_engine import PolicyVLLMEngine
 
@@ -76,35 +76,6 @@ GRPO_METRICS = (
 )
 
 
-class _Generator(Protocol):
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> list[Generation]: ...
-
-
-@dataclass
-class _Sampler:
-    """The collector's policy: one batched generate per turn, timed, seeded per call."""
-
-    backend: _Generator
-    params: SamplingParams
-    seconds: float = 0.0
-    calls: int = 0
-    sync: GenerationSync | None = None  # a sharded policy: calls paired across processes
-
-    def __call__(
-        self, contexts: list[list[int]]
-    ) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
-        start = time.perf_counter()
-        if self.sync is not None:
-            self.sync.before_generate()
-        seed = None if self.params.seed is None else self.params.seed + self.calls
-        generations = self.backend.generate(contexts, dataclasses.replace(self.params, seed=seed))
-        self.calls += 1
-        self.seconds += time.perf_counter() - start
-        return [(g.token_ids, g.logprobs) for g in generations]
-
-
 @dataclass
 class _Run:
     """What a GRPO run holds between steps (set up once by :func:`_setup`)."""
@@ -113,7 +84,7 @@ class _Run:
     tokenizer: Any
     reference: Any
     collector: RolloutCollector
-    sampler: _Sampler
+    sampler: Sampler
     settings: UpdateSettings
     start_step: int
     engine: PolicyVLLMEngine | None = None
@@ -174,12 +145,8 @@ def train_grpo(manifest: RunManifest, *, resume: bool = False) -> TrainResult:
     finally:
         run.close()
     if run.accelerator.is_main_process:
-        panels = ("reward_mean", "loss", "eval_reward_mean") if config.eval_every else None
-        plot_metrics(
-            output_dir / "metrics.csv",
-            output_dir / "metrics.png",
-            panels or ("reward_mean", "loss"),
-        )
+        panels = ("reward_mean", "loss") + (("eval_reward_mean",) if config.eval_every else ())
+        plot_metrics(output_dir / "metrics.csv", output_dir / "metrics.png", panels)
     stopped_by = stop.signal_name if steps < config.max_steps else None
     return TrainResult(
         output_dir, steps, history, output_dir / "metrics.csv", checkpoint_dir, stopped_by
@@ -271,7 +238,7 @@ def _step(run: _Run, config: TrainingSpec, step: int, seed: int) -> dict[str, fl
     }
     counts = {
         "failed_episodes": float((~finished_GN).sum()),
-        "dropped_groups": float((finished_GN.sum(dim=1) < 2).sum()),
+        "dropped_groups": float((~kept_GN.any(dim=1)).sum()),
     }
     measured = {**losses, **timings, "learning_rate": learning_rate}
     return _step_row(run, step, rewards_GN, finished_GN, batch, rollout, measured, counts)
@@ -336,7 +303,7 @@ def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
         top_p=config.top_p,
         top_k=config.top_k,
     )
-    sampler = _Sampler(
+    sampler = Sampler(
         engine.backend if engine else HFBackend.from_model(policy, tokenizer),
         params,
         sync=GenerationSync(accelerator.device) if is_sharded(policy) else None,
@@ -356,6 +323,7 @@ def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
             collector.load_state_dict(rank_state["collector"])
         if engine is not None:
             engine.load_weights(policy)  # the checkpoint's, or the adapters merged in
+        held_out = HeldOutEval.build(manifest, tokenizer, max_model_len, accelerator)
     except BaseException:
         if collector is not None:
             collector.close()
@@ -363,18 +331,17 @@ def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
         if engine is not None:
             engine.close()
         raise
-    settings = _update_settings(manifest)
     return _Run(
         learner,
         tokenizer,
         reference,
         collector,
         sampler,
-        settings,
+        _update_settings(manifest),
         start_step,
         engine,
         keep_checkpoints=config.keep_checkpoints,
-        held_out=HeldOutEval.build(manifest, tokenizer, max_model_len, accelerator),
+        held_out=held_out,
     )
 
 
@@ -428,9 +395,7 @@ def _collect(run: _Run, config: TrainingSpec, seed: int) -> tuple[RolloutBatch, 
     run.accelerator.unwrap_model(run.model).eval()
     with torch.no_grad():
         rollout = run.collector.collect(run.sampler, dynamic_sampling=config.dynamic_sampling)
-        if run.sampler.sync is not None:
-            one_token = SamplingParams(max_tokens=1, temperature=0.0)
-            run.sampler.sync.drain(lambda: run.sampler.backend.generate([[0]], one_token))
+        run.sampler.drain()
     rewards_GN = torch.tensor([t.reward for t in rollout.trajectories])
     return rollout, rewards_GN.view(-1, config.group_size)
 

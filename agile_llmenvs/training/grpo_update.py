@@ -9,6 +9,7 @@ before the first update.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from functools import partial
@@ -209,13 +210,7 @@ def _with_behaviour_logps(model: Any, batch: PolicyBatch, settings: UpdateSettin
         return batch
     own_BT = _score(model, batch, settings)
     sampling_BT = torch.where(missing_BT, own_BT, batch.sampling_logps_BT)
-    return PolicyBatch(
-        batch.input_ids_BT,
-        batch.attention_mask_BT,
-        batch.action_mask_BT,
-        sampling_BT,
-        batch.advantages_B,
-    )
+    return dataclasses.replace(batch, sampling_logps_BT=sampling_BT)
 
 
 def _score(model: Any, batch: PolicyBatch, settings: UpdateSettings) -> torch.Tensor:

@@ -19,6 +19,7 @@ from agile_llmenvs.backends.hf import HFBackend
 from agile_llmenvs.backends.types import SamplingParams
 from agile_llmenvs.llm_envs.collector import RolloutCollector
 from agile_llmenvs.specs import LLMEnvSpec, RunManifest
+from agile_llmenvs.training.sampling import Sampler
 from agile_llmenvs.training.sharding import GenerationSync, is_sharded
 
 __all__ = ["EVAL_METRICS", "HeldOutEval"]
@@ -89,24 +90,15 @@ class HeldOutEval:
 
     def run(self, policy: Any, tokenizer: Any, accelerator: Any) -> dict[str, float]:
         """Play every held-out task once with ``policy``; the means over every process."""
-        backend = HFBackend.from_model(policy, tokenizer)
+        sync = GenerationSync(accelerator.device) if is_sharded(policy) else None
+        sampler = Sampler(HFBackend.from_model(policy, tokenizer), self.params, sync=sync)
         python_state = random.getstate()
         try:
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 policy.eval()
                 self.collector.load_state_dict(self.start_state)  # the same tasks each time
-                sync = GenerationSync(accelerator.device) if is_sharded(policy) else None
-
-                def generate(contexts: list[list[int]]) -> list[Any]:
-                    if sync is not None:
-                        sync.before_generate()
-                    return [
-                        (g.token_ids, g.logprobs) for g in backend.generate(contexts, self.params)
-                    ]
-
-                batch = self.collector.collect(generate)
-                if sync is not None:
-                    sync.drain(lambda: backend.generate([[0]], self.params))
+                batch = self.collector.collect(sampler)
+                sampler.drain()
         finally:
             random.setstate(python_state)
         rewards = [t.reward for t in batch.trajectories if not t.failed]

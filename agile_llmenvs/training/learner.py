@@ -70,7 +70,7 @@ class Learner:
             sync = contextlib.nullcontext() if sharded else accelerator.no_sync(self.model)
             with sync, accelerator.autocast():
                 loss = loss_of(micro_batch) if micro_batch is not None else self._no_loss()
-                accelerator.backward(loss * scale if scale != 1 else loss)
+                accelerator.backward(loss * scale)
         if not sharded:
             self._sum_gradients()
         grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)

@@ -21,7 +21,6 @@ from update_cases import LR, load_model, synthetic_batch
 
 from agile_llmenvs.training.grpo_update import UpdateSettings, grpo_update
 from agile_llmenvs.training.learner import Learner
-from agile_llmenvs.training.policy_batch import PolicyBatch
 
 
 def _full(model: torch.nn.Module) -> torch.Tensor:
@@ -41,13 +40,7 @@ if __name__ == "__main__":
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     learner = Learner(accelerator, model, optimizer, scheduler, max_grad_norm=1e9)
     rows = slice(0, 5) if accelerator.process_index == 0 else slice(5, 7)
-    local = PolicyBatch(
-        batch.input_ids_BT[rows],
-        batch.attention_mask_BT[rows],
-        batch.action_mask_BT[rows],
-        batch.sampling_logps_BT[rows],
-        batch.advantages_B[rows],
-    )
+    local = batch.select(rows)
     settings = UpdateSettings(loss_type=loss_type, max_completion_tokens=20, micro_batch_size=3)  # type: ignore[arg-type]
     metrics = grpo_update(learner, local, settings)
     delta = _full(model) - before

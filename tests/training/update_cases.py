@@ -72,13 +72,7 @@ def update_delta(
     ref = load_model(model_dir).eval() if reference else None
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
     learner = make_learner(model, accelerator)
-    local = PolicyBatch(
-        batch.input_ids_BT[rows],
-        batch.attention_mask_BT[rows],
-        batch.action_mask_BT[rows],
-        batch.sampling_logps_BT[rows],
-        batch.advantages_B[rows],
-    )
+    local = batch.select(rows)
     metrics = grpo_update(learner, local, settings, ref)
     policy = accelerator.unwrap_model(learner.model)
     after = torch.cat([p.detach().flatten() for p in policy.parameters()])

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from agile_llmenvs.llm_envs.framing import ChatTemplateError, apply_chat_template
+from agile_llmenvs.llm_envs.framing import ChatFramer, ChatTemplateError, apply_chat_template
 from agile_llmenvs.llm_envs.rows import DatasetError, require_columns
 from agile_llmenvs.llm_envs.tasks import TaskAssigner
 
@@ -324,7 +324,13 @@ class _RowTokenizer:
             )
         self.tokenizer, self.columns, self.budget = tokenizer, columns, budget
         self.kwargs = chat_template_kwargs
-        self.eos_token_id = _eos_id(tokenizer)
+        self.framer = ChatFramer(tokenizer, chat_template_kwargs=chat_template_kwargs)
+        self.end_of_turn = list(self.framer.end_of_turn_ids())
+        if not self.end_of_turn:
+            raise DatasetError(
+                "the chat template closes an assistant turn with no special token and the "
+                "tokenizer has no eos token to close each response; set tokenizer.eos_token"
+            )
 
     def __call__(self, dataset: Dataset, split: str) -> list[_Example]:
         if len(dataset) == 0:
@@ -355,7 +361,10 @@ class _RowTokenizer:
         return examples
 
     def _encode(self, dataset: Dataset, column: str, split: str) -> list[list[int]]:
-        """Each row's ``column`` text as ids, without special tokens, closed by eos."""
+        """Each row's ``column`` text as ids, as the template renders an assistant turn's
+        content after its prompt, closed by the template's own end of turn (``<|im_end|>``,
+        ``<end_of_turn>``...: what the model samples to stop, the same ids the harness
+        uses)."""
         texts = list(dataset[column])
         for index, text in enumerate(texts):
             if not isinstance(text, str):
@@ -363,8 +372,9 @@ class _RowTokenizer:
                     f"{split} row {index}: column {column!r} holds "
                     f"{type(text).__name__} {text!r}; expected a string"
                 )
-        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return [[*ids, self.eos_token_id] for ids in encoded]
+        gap = self.framer.content_gap
+        encoded = self.framer.encode_continuations([gap + text for text in texts])
+        return [[*ids, *self.end_of_turn] for ids in encoded]
 
 
 def _messages(prompt: Any, index: int, split: str) -> list[dict[str, Any]]:

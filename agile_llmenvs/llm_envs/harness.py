@@ -13,21 +13,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agile_llmenvs.errors import EnvError, EnvStateError
+from agile_llmenvs.errors import EnvStateError
+from agile_llmenvs.llm_envs.actions import MALFORMED_FEEDBACK, ActionPlayer
 from agile_llmenvs.llm_envs.episode import EpisodeData, StopReason, TokenSample, TurnResult
 from agile_llmenvs.llm_envs.framing import ChatFramer
-from agile_llmenvs.llm_envs.restart import TurnText, restart_messages
-from agile_llmenvs.llm_envs.tool_calls import parse_tool_calls
+from agile_llmenvs.llm_envs.restart import TurnText, fit_restart
+from agile_llmenvs.llm_envs.tool_calls import TOOL_CALL_PARSERS
 from agile_llmenvs.transport.client import EnvClientProtocol, InProcessEnvClient
 from agile_llmenvs.transport.remote import RemoteEnvClient
 from agile_llmenvs.transport.types import EnvReply
 
-__all__ = ["HarnessConfig", "RolloutHarness"]
-
-MALFORMED_FEEDBACK = (
-    "Error: your tool call could not be parsed ({reason}). Call a tool as "
-    '<tool_call>{{"name": "...", "arguments": {{...}}}}</tool_call>.'
-)
+__all__ = ["MALFORMED_FEEDBACK", "HarnessConfig", "RolloutHarness"]
 
 
 @dataclass(frozen=True)
@@ -37,8 +33,15 @@ class HarnessConfig:
     Attributes:
         max_turns: Turns before the episode is truncated (``StopReason.MAX_TURNS``).
         timeout_s: Per-message timeout of a remote env client.
-        mcp_tool: Send actions as calls of this MCP tool (a parsed ``<tool_call>`` names its
-            own tool).
+        mcp_tool: Send actions as calls of this MCP tool; a completion's own tool calls
+            (parsed as ``tool_call_parser``) each call the tool they name, in order.
+        tool_call_parser: The tool-call format the policy writes: ``hermes`` (Qwen / Hermes
+            ``<tool_call>`` JSON), ``llama3_json``, ``mistral`` (``[TOOL_CALLS]``) or
+            ``pythonic`` (``[f(x=1)]``).
+        strip_reasoning: Send the env the action without its reasoning block (None: on when
+            the chat template has one). Training ids keep everything the policy sampled.
+        reasoning_delimiters: The reasoning block's open and close (None: the template's,
+            ``<think>`` / ``</think>``).
         action_field: Action field (or MCP argument) carrying the text.
         observation_field: Observation field holding the prompt text (default ``prompt``).
         observation_processor: Turns an observation dict into prompt text.
@@ -53,8 +56,10 @@ class HarnessConfig:
         system_prompt: System message of every prompt.
         tasks: Per-row reset kwargs; ``reset(row_index=i)`` merges ``tasks[i]``.
         eval_tasks: Held-out per-row reset kwargs used in eval mode.
-        segment_prompt_tokens: Restart the context (a new training sample) when it would pass
-            this many tokens.
+        segment_prompt_tokens: A bound on every prompt the policy sees: a context that would
+            pass it restarts (a new training sample) from a prompt fitted within it (see
+            :func:`~agile_llmenvs.llm_envs.restart.fit_restart`); a first prompt over it
+            ends the episode at turn 0 (``PROMPT_LIMIT``).
         segment_max_images: Accepted for manifests; images are not supported yet.
         restart_keep_turns: Latest turns kept verbatim in a restarted context.
         action_error_field: Observation (or info) field where the env reports an invalid
@@ -65,6 +70,9 @@ class HarnessConfig:
     max_turns: int = 1
     timeout_s: float | None = None
     mcp_tool: str | None = None
+    tool_call_parser: str = "hermes"
+    strip_reasoning: bool | None = None
+    reasoning_delimiters: tuple[str, str] | None = None
     action_field: str = "message"
     observation_field: str | None = None
     observation_processor: Callable[[Any], str] | None = None
@@ -89,6 +97,16 @@ class HarnessConfig:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.restart_keep_turns < 0:
             raise ValueError(f"restart_keep_turns must be >= 0, got {self.restart_keep_turns}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser {self.tool_call_parser!r} is not one of {TOOL_CALL_PARSERS}"
+            )
+        delimiters = self.reasoning_delimiters
+        if delimiters is not None and (len(delimiters) != 2 or not all(delimiters)):
+            raise ValueError(
+                "reasoning_delimiters must be two non-empty strings (open, close), got "
+                f"{delimiters!r}"
+            )
 
 
 @dataclass
@@ -178,6 +196,7 @@ class RolloutHarness:
             use_template=self.config.apply_chat_template,
             chat_template_kwargs=self.config.chat_template_kwargs,
         )
+        self.player = ActionPlayer(self.client, self.framer, self._observation_text, self.config)
         self.eval = False
         self._episode: _Episode | None = None
 
@@ -233,10 +252,12 @@ class RolloutHarness:
         episode.messages = [*self._system(), {"role": "user", "content": head}]
         ids = self.framer.prompt(episode.messages)
         episode.append(ids, turn=None)
-        limit = self.config.max_model_len
-        if limit is not None and len(ids) > limit:
-            episode.info["prompt_limit"] = {"prompt_tokens": len(ids), "max_model_len": limit}
-            self._finish(StopReason.PROMPT_LIMIT)
+        for name in ("max_model_len", "segment_prompt_tokens"):
+            limit = getattr(self.config, name)
+            if limit is not None and len(ids) > limit:
+                episode.info["prompt_limit"] = {"prompt_tokens": len(ids), name: limit}
+                self._finish(StopReason.PROMPT_LIMIT)
+                break
         return list(ids)
 
     def step(
@@ -261,19 +282,20 @@ class RolloutHarness:
         # NaN marks a turn the policy gave no log-probs for, so later turns stay aligned
         values = sampling_logps if sampling_logps is not None else (math.nan,) * len(completion_ids)
         episode.logps.extend(float(x) for x in values)
-        action = self.tokenizer.decode(list(completion_ids), skip_special_tokens=True)
-        reply, reward, info = self._act(action)
+        text = self.tokenizer.decode(list(completion_ids), skip_special_tokens=True)
+        raw_text = self.tokenizer.decode(list(completion_ids), skip_special_tokens=False)
+        outcome = self.player.play(text, raw_text)
+        reward, info, reply = outcome.reward, outcome.info, outcome.reply
         episode.rewards.append(reward)
         episode.info.update(info)
-        if reply is None and "error" in info:
+        if outcome.failed:
             return self._end(StopReason.ENV_ERROR, reward, info)
         if reply is not None and reply.done:
             reason = StopReason.TRUNCATED if reply.truncated else StopReason.TERMINATED
             return self._end(reason, reward, info)
         if episode.turn >= self.config.max_turns:
             return self._end(StopReason.MAX_TURNS, reward, info)
-        observation = self._observation_text(reply) if reply is not None else info["feedback"]
-        return self._next_prompt(completion_ids, action, observation, reward, info)
+        return self._next_prompt(completion_ids, text, outcome.observations, reward, info)
 
     def get_episode_data(self) -> EpisodeData:
         """The finished episode's token-exact samples, rewards and stop reason.
@@ -318,66 +340,44 @@ class RolloutHarness:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _act(self, action: str) -> tuple[EnvReply | None, float, dict[str, Any]]:
-        """Send the action; a malformed tool call or an env failure never reaches the caller
-        as an exception."""
-        config = self.config
-        parsed = parse_tool_calls(action) if config.mcp_tool else None
-        if parsed is not None and parsed.error is not None:
-            feedback = MALFORMED_FEEDBACK.format(reason=parsed.error)
-            info = {"malformed_tool_call": parsed.error, "feedback": feedback}
-            return None, config.malformed_tool_call_reward, info
-        try:
-            if parsed is not None and parsed.calls:
-                call = parsed.calls[0]
-                reply = self.client.call_tool(call.name, call.arguments)
-            elif config.mcp_tool is not None:
-                reply = self.client.call_tool(config.mcp_tool, {config.action_field: action})
-            else:
-                reply = self.client.step(action)
-        except EnvError as exc:
-            return None, 0.0, {"error": f"{type(exc).__name__}: {exc}"}
-        info = dict(reply.metadata)
-        field_name = config.action_error_field
-        if field_name:
-            error = reply.observation.get(field_name) or reply.metadata.get(field_name)
-            if error:
-                info["action_error"] = error
-        return reply, float(reply.reward or 0.0), info
-
     def _next_prompt(
         self,
         completion_ids: Sequence[int],
-        action: str,
-        observation: str,
+        text: str,
+        observations: list[dict[str, Any]],
         reward: float,
         info: dict[str, Any],
     ) -> TurnResult:
         episode = self._require_episode()
-        episode.texts.append(TurnText(episode.prompt_text, action))
-        episode.messages += [
-            {"role": "assistant", "content": action},
-            {"role": "user", "content": observation},
-        ]
+        observation = "\n\n".join(str(m["content"]) for m in observations)
+        episode.texts.append(TurnText(episode.prompt_text, self.player.env_text(text)))
+        episode.messages += [{"role": "assistant", "content": text}, *observations]
         episode.prompt_text = observation
         config = self.config
-        new_sample = not self.framer.prefix_stable
-        if new_sample:  # the template rewrites earlier turns: the policy sees a re-rendering
-            ids = self.framer.prompt(episode.messages)
-        else:
-            ids = self.framer.turn_ids(completion_ids, observation)
-            budget = config.segment_prompt_tokens
-            if budget is not None and len(episode.ids) + len(ids) > budget:
-                new_sample = True
-                ids = self.framer.prompt(
-                    restart_messages(
-                        episode.texts,
-                        observation,
-                        keep_turns=config.restart_keep_turns,
-                        instruction=config.instruction,
-                        system_prompt=config.system_prompt,
-                    )
-                )
+        system = bool(config.system_prompt)
+        appended = self.framer.turn_ids(completion_ids, observations, system=system)
+        new_sample = appended is None
+        # A template that rewrites earlier turns: the policy sees the template's re-rendering.
+        ids = self.framer.prompt(episode.messages) if appended is None else appended
+        budget = config.segment_prompt_tokens
+        if budget is not None and len(ids) + (0 if new_sample else len(episode.ids)) > budget:
+            new_sample = True
+            fitted = fit_restart(
+                episode.texts,
+                observation,
+                budget=budget,
+                render=self.framer.prompt,
+                keep_turns=config.restart_keep_turns,
+                instruction=config.instruction,
+                system_prompt=config.system_prompt,
+            )
+            if not fitted.fits:
+                episode.info["segment_limit"] = {
+                    "restart_prompt_tokens": len(fitted.ids),
+                    "segment_prompt_tokens": budget,
+                }
+                return self._end(StopReason.CONTEXT_LIMIT, reward, info)
+            ids, episode.info["restart"] = fitted.ids, fitted.summary
         context = len(ids) if new_sample else len(episode.ids) + len(ids)
         if config.max_model_len is not None and context >= config.max_model_len:
             episode.info["context_limit"] = {

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -257,8 +258,9 @@ class ChatFramer:
         return ids[self._skip(completion_ids, frame) :]
 
     def end_of_turn_ids(self) -> tuple[int, ...]:
-        """The ids that end an assistant turn in this template, through its last special
-        token (``<|im_end|>``, ``<end_of_turn>``, ``' </s>'``...); eos without a template."""
+        """The ids that end an assistant turn in this template, through its first special
+        token (``<|im_end|>``, ``<end_of_turn>``, ``' </s>'``...): what the model samples to
+        stop. The tokenizer's eos without a template."""
         if "end_of_turn" not in self._cache:
             self._cache["end_of_turn"] = self._end_of_turn()
         ids: tuple[int, ...] = self._cache["end_of_turn"]
@@ -327,9 +329,10 @@ class ChatFramer:
             return None
         if post1.replace(_O2, _X) != post2.replace(_O3, _X):
             return None
-        close = closed[closed.rindex(_A1) + len(_A1) :] if closed.count(_A1) == 1 else ""
-        if not post1.startswith(close):
-            close = ""
+        # The close is what the rendering of a last assistant turn and of a continued one share
+        # (Phi-3 appends eos after a last turn, not after one that is followed).
+        ended = closed[closed.rindex(_A1) + len(_A1) :] if closed.count(_A1) == 1 else ""
+        close = os.path.commonprefix([ended, post1])
         open_, prompt = post1[len(close) :].split(_O2)
         verbatim = _after_content(p1, a1, padded) == post1.replace(_O2, _PADDED)
         return TurnFrame(close, open_, prompt, verbatim)
@@ -358,7 +361,7 @@ class ChatFramer:
         last = completion_ids[-1]
         if last in close and last in self._special_ids():
             return close.index(last) + 1  # the model closed its turn itself
-        return _overlap(completion_ids, close)
+        return 0
 
     def _special_ids(self) -> frozenset[int]:
         if "special_ids" not in self._cache:
@@ -398,8 +401,8 @@ class ChatFramer:
         self._cache["content_gap"] = gap if not gap.strip(" ") else ""
         close = self.encode_continuation(closed[start + len(_A1) :])
         special = self._special_ids()
-        last = max((i for i, token in enumerate(close) if token in special), default=None)
-        return fallback if last is None else tuple(close[: last + 1])
+        first = next((i for i, token in enumerate(close) if token in special), None)
+        return fallback if first is None else tuple(close[: first + 1])
 
     def _fallback(self, why: str) -> None:
         name = getattr(self.tokenizer, "name_or_path", type(self.tokenizer).__name__)
@@ -444,11 +447,3 @@ def _memo_key(messages: Sequence[Message]) -> tuple[tuple[str, str], ...] | None
             return None
         key.append((str(message["role"]), str(message["content"])))
     return tuple(key)
-
-
-def _overlap(completion: Sequence[int], close: Sequence[int]) -> int:
-    """The longest k such that the completion ends with the first k ids of ``close``."""
-    for k in range(min(len(close), len(completion)), 0, -1):
-        if list(completion[-k:]) == list(close[:k]):
-            return k
-    return 0

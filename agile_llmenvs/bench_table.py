@@ -117,6 +117,16 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         Figure("turn_16_over_floor", f"{_HARNESS} 16", target=_at_most(1.5)),
         Figure("turn_64_over_floor", f"{_HARNESS} 64", target=_at_most(1.5)),
         Figure("turn_64_over_turn_1", "harness turn 64 over turn 1", target=_at_most(1.3)),
+        Figure(
+            "sentencepiece_turn_1_over_floor",
+            f"{_HARNESS} 1, real SentencePiece tokenizer (mistral-common v3)",
+            target=_at_most(1.5),
+        ),
+        Figure(
+            "sentencepiece_turn_64_over_floor",
+            f"{_HARNESS} 64, real SentencePiece tokenizer (mistral-common v3)",
+            target=_at_most(1.5),
+        ),
     ),
     "collector": (
         Figure(

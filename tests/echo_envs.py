@@ -148,3 +148,43 @@ class SeededTurnsEnv:
 
     def close(self) -> None:
         pass
+
+
+class ToolEnv:
+    """An OpenEnv MCP environment with tools ``add`` and ``mul`` (calls recorded in order)."""
+
+    def __new__(cls) -> Any:
+        from fastmcp import FastMCP
+        from openenv.core.env_server.mcp_environment import MCPEnvironment
+        from openenv.core.env_server.types import Observation, State
+
+        class _Env(MCPEnvironment):  # type: ignore[misc]
+            def __init__(self) -> None:
+                mcp = FastMCP("calc")
+
+                @mcp.tool()
+                def add(a: int, b: int) -> int:
+                    """Add two integers."""
+                    self.calls.append(("add", a, b))
+                    return a + b
+
+                @mcp.tool()
+                def mul(a: int, b: int) -> int:
+                    """Multiply two integers."""
+                    self.calls.append(("mul", a, b))
+                    return a * b
+
+                self.calls: list[tuple[str, int, int]] = []
+                super().__init__(mcp)
+
+            def reset(self, seed: Any = None, episode_id: Any = None, **kw: Any) -> Any:
+                return Observation(done=False, reward=None, metadata={"prompt": "add 2 and 3"})
+
+            def _step_impl(self, action: Any, timeout_s: Any = None, **kw: Any) -> Any:
+                return Observation(done=False, reward=0.0)
+
+            @property
+            def state(self) -> Any:
+                return State(episode_id=None, step_count=0)
+
+        return _Env()

@@ -85,15 +85,16 @@ class ActionPlayer:
             text, self.delimiters, starts_in_reasoning=self.framer.starts_in_reasoning
         )
 
-    def play(self, text: str, raw_text: str) -> ActionOutcome:
-        """Play the completion decoded as ``text`` (special tokens skipped) and ``raw_text``
-        (special tokens kept, where tool-call markers such as ``[TOOL_CALLS]`` live)."""
+    def play(self, text: str, completion_ids: Sequence[int]) -> ActionOutcome:
+        """Play a completion: its ``text`` (decoded without special tokens) goes to the env;
+        tool calls are read from its ids decoded with special tokens, where markers such as
+        ``[TOOL_CALLS]`` live."""
         config = self.config
         action = self.env_text(text)
         if not config.mcp_tool:
             return self._send(lambda: self.client.step(action))
         parsed = parse_tool_calls(
-            raw_text,
+            self.framer.decode(completion_ids, skip_special_tokens=False),
             config.tool_call_parser,
             reasoning=self.delimiters,
             starts_in_reasoning=self.framer.starts_in_reasoning,

@@ -24,6 +24,9 @@ def spec_settings(spec: LLMEnvSpec) -> dict[str, Any]:
         "max_turns": spec.max_turns,
         "timeout_s": spec.request_timeout_s or None,
         "mcp_tool": spec.mcp_tool,
+        "tool_call_parser": spec.tool_call_parser,
+        "strip_reasoning": spec.strip_reasoning,
+        "reasoning_delimiters": spec.reasoning_delimiters,
         "action_field": spec.action_field,
         "observation_field": spec.observation_field,
         "observation_processor": (

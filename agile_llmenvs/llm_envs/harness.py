@@ -281,10 +281,9 @@ class RolloutHarness:
         episode.append(completion_ids, turn=turn)
         # NaN marks a turn the policy gave no log-probs for, so later turns stay aligned
         values = sampling_logps if sampling_logps is not None else (math.nan,) * len(completion_ids)
-        episode.logps.extend(float(x) for x in values)
-        text = self.tokenizer.decode(list(completion_ids), skip_special_tokens=True)
-        raw_text = self.tokenizer.decode(list(completion_ids), skip_special_tokens=False)
-        outcome = self.player.play(text, raw_text)
+        episode.logps.extend(map(float, values))
+        text = self.framer.decode(completion_ids)
+        outcome = self.player.play(text, completion_ids)
         reward, info, reply = outcome.reward, outcome.info, outcome.reply
         episode.rewards.append(reward)
         episode.info.update(info)

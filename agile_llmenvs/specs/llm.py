@@ -105,7 +105,10 @@ class LLMEnvSpec(BaseModel):
         'Requirements to install on first build: {"pip": [...]} or {"uv": [...]}.'
     )
     max_turns: PositiveInt = _d("Turn budget of an episode (probed from the env if unset).")
-    segment_prompt_tokens: PositiveInt = _d("Prompt tokens that start a new training segment.")
+    segment_prompt_tokens: PositiveInt = _d(
+        "Bound on every prompt the policy sees: a longer context restarts as a new training "
+        "segment from a prompt fitted within it."
+    )
     segment_max_images: PositiveInt = _d("Images per segment before a new one starts.")
     restart_keep_turns: int = Field(
         0, ge=0, description="Latest turns kept when the context is restarted."
@@ -114,7 +117,7 @@ class LLMEnvSpec(BaseModel):
         "", description="Observation field in which the env reports an invalid action."
     )
     strict_chat_template_boundary: bool | None = _d(
-        "Raise when the chat template cannot be sliced into turn frames (default: warn)."
+        "Raise when the tokenizer has no chat template (default: warn and frame as ChatML)."
     )
     observation_field: str | None = Field(
         None, min_length=1, description="Observation field holding the prompt text."
@@ -125,6 +128,17 @@ class LLMEnvSpec(BaseModel):
     env_url: str | list[str] | None = _d("URL(s) of OpenEnv services hosted elsewhere.")
     mcp_tool: str | None = Field(
         None, min_length=1, description="MCP tool that receives the model's action."
+    )
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = _d(
+        "Tool-call format the policy writes: `hermes` (default: Qwen/Hermes `<tool_call>` "
+        "JSON), `llama3_json`, `mistral` (`[TOOL_CALLS]`) or `pythonic` (`[f(x=1)]`)."
+    )
+    strip_reasoning: bool | None = _d(
+        "Send the env the action without its reasoning block (default: on when the chat "
+        "template has one). Training ids keep everything the policy sampled."
+    )
+    reasoning_delimiters: tuple[str, str] | None = _d(
+        "Open and close of the reasoning block (default: the template's, `<think>`/`</think>`)."
     )
     action_field: str | None = Field(
         None, min_length=1, description="Action field the model's text is sent in."

@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 import pytest
-from echo_envs import EchoEnv, ScriptedEnv
+from echo_envs import EchoEnv, ScriptedEnv, ToolEnv
 
 from agile_llmenvs.errors import EnvStateError
 from agile_llmenvs.llm_envs import (
@@ -125,39 +125,6 @@ def test_segments_restart_the_context_as_new_samples(tokenizer: Any) -> None:
     assert f"<|im_start|>assistant\nmove {kept}<|im_end|>" in restart_text
     with pytest.raises(ValueError, match="this episode has"):
         _ = data.token_ids
-
-
-class ToolEnv:
-    """An OpenEnv MCP environment with one tool, driven in-process."""
-
-    def __new__(cls) -> Any:
-        from fastmcp import FastMCP
-        from openenv.core.env_server.mcp_environment import MCPEnvironment
-        from openenv.core.env_server.types import Observation, State
-
-        class _Env(MCPEnvironment):  # type: ignore[misc]
-            def __init__(self) -> None:
-                mcp = FastMCP("calc")
-
-                @mcp.tool()
-                def add(a: int, b: int) -> int:
-                    """Add two integers."""
-                    return a + b
-
-                super().__init__(mcp)
-                self.calls = 0
-
-            def reset(self, seed: Any = None, episode_id: Any = None, **kw: Any) -> Any:
-                return Observation(done=False, reward=None, metadata={"prompt": "add 2 and 3"})
-
-            def _step_impl(self, action: Any, timeout_s: Any = None, **kw: Any) -> Any:
-                return Observation(done=False, reward=0.0)
-
-            @property
-            def state(self) -> Any:
-                return State(episode_id=None, step_count=0)
-
-        return _Env()
 
 
 def test_tool_calls_go_to_the_tool_and_malformed_ones_never_reach_the_env(tokenizer: Any) -> None:

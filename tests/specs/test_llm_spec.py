@@ -241,3 +241,25 @@ def test_label(fields: dict[str, Any], label: str) -> None:
 def test_every_field_has_a_description() -> None:
     undocumented = [n for n, f in LLMEnvSpec.model_fields.items() if not f.description]
     assert undocumented == []
+
+
+def test_tool_call_parser_and_reasoning_reach_the_harness_settings() -> None:
+    from agile_llmenvs.llm_envs.from_spec import spec_settings
+
+    spec = rollout(
+        entrypoint="pkg.env:MyEnv",
+        mcp_tool="act",
+        tool_call_parser="pythonic",
+        strip_reasoning=False,
+        reasoning_delimiters=["[THINK]", "[/THINK]"],
+    )
+    settings = spec_settings(spec)
+    assert settings["tool_call_parser"] == "pythonic"
+    assert settings["strip_reasoning"] is False
+    assert settings["reasoning_delimiters"] == ("[THINK]", "[/THINK]")
+    assert "tool_call_parser" not in spec_settings(rollout(entrypoint="pkg.env:MyEnv"))
+
+
+def test_an_unknown_tool_call_parser_names_the_field_and_the_choices() -> None:
+    with pytest.raises(ValidationError, match="tool_call_parser\n  Input should be 'hermes'"):
+        rollout(entrypoint="pkg.env:MyEnv", tool_call_parser="qwen")

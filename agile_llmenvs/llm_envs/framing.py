@@ -48,7 +48,7 @@ _CHATML = ("<|im_end|>\n", "<|im_start|>{role}\n", "<|im_end|>\n<|im_start|>assi
 
 
 class ChatTemplateError(AgileLLMEnvsError, ValueError):
-    """The tokenizer's chat template cannot frame the conversation (strict mode)."""
+    """The tokenizer has no chat template to frame the conversation (strict mode)."""
 
 
 def apply_chat_template(
@@ -96,8 +96,8 @@ class ChatFramer:
 
     Args:
         tokenizer: A Hugging Face tokenizer.
-        strict: Raise :class:`ChatTemplateError` when the template cannot render a plain
-            conversation (or there is none); otherwise frame as ChatML with a warning.
+        strict: Raise :class:`ChatTemplateError` when the tokenizer has no chat template;
+            otherwise frame as ChatML with a warning.
         use_template: False: no chat template at all; texts are concatenated as they are.
         chat_template_kwargs: Extra keyword arguments for ``apply_chat_template``.
     """

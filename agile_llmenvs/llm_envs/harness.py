@@ -46,8 +46,8 @@ class HarnessConfig:
         observation_field: Observation field holding the prompt text (default ``prompt``).
         observation_processor: Turns an observation dict into prompt text.
         instruction: Text put before the first observation.
-        strict_chat_template_boundary: Raise when the chat template cannot be sliced into
-            turn frames (otherwise frame as ChatML, with a warning).
+        strict_chat_template_boundary: Raise when the tokenizer has no chat template
+            (otherwise frame as ChatML, with a warning).
         apply_chat_template: Frame prompts with the chat template (False: raw text).
         chat_template_kwargs: Extra keyword arguments for the chat template.
         max_model_len: Context budget: an over-long first prompt ends the episode at turn 0

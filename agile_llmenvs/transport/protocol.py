@@ -8,6 +8,7 @@ client (:func:`error_from_wire`), the inverse of :func:`code_for_exception` on t
 from __future__ import annotations
 
 import json
+import math
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -25,6 +26,7 @@ __all__ = [
     "observation_frame",
     "parse_message",
     "state_frame",
+    "strict_json_loads",
     "text_observation_frame",
 ]
 
@@ -80,6 +82,69 @@ class WireError(Exception):
         self.extra = extra
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+#: Parses JSON only: Python's ``json`` reads the bare constants ``NaN``, ``Infinity`` and
+#: ``-Infinity`` by default, which no other JSON reader accepts.
+_STRICT_JSON = json.JSONDecoder(parse_constant=_refuse_constant)
+#: Writes JSON only: a non-finite float raises ``ValueError`` instead of writing ``NaN``.
+_JSON_OUT = json.JSONEncoder(allow_nan=False)
+
+
+def strict_json_loads(raw: str | bytes) -> Any:
+    """``json.loads`` that refuses the bare ``NaN``, ``Infinity`` and ``-Infinity``.
+
+    Raises:
+        json.JSONDecodeError: ``raw`` is not JSON.
+        ValueError: ``raw`` holds one of those constants (the message names it).
+    """
+    return _STRICT_JSON.decode(raw.decode() if isinstance(raw, bytes) else raw)
+
+
+def _dump_reply(frame: dict[str, Any], prefix: tuple[str, ...] = ()) -> str:
+    """``frame`` as JSON text; a non-finite number in it is a :class:`WireError` naming its
+    field, answered to the call that produced it (the hot path pays nothing extra: the
+    encoder itself refuses non-finite floats, and only then is the frame searched)."""
+    try:
+        return _JSON_OUT.encode(frame)
+    except ValueError:
+        found = _non_finite(frame.get("data"), prefix)
+        if found is None:
+            raise
+        path, value = found
+        name = _name_of_constant(value)
+        raise WireError(
+            ErrorCode.EXECUTION_ERROR,
+            f"the env's {'.'.join(path)} is {name}: replies are JSON, which has no {name}; "
+            "return a finite number",
+        ) from None
+
+
+def _name_of_constant(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    return "Infinity" if value > 0 else "-Infinity"
+
+
+def _non_finite(value: Any, path: tuple[str, ...]) -> tuple[tuple[str, ...], float] | None:
+    """The path of the first non-finite float in ``value`` (dicts and lists), if any."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path, value)
+    if isinstance(value, dict):
+        items: Any = ((str(k), v) for k, v in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((str(i), v) for i, v in enumerate(value))
+    else:
+        return None
+    for key, item in items:
+        found = _non_finite(item, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
 def parse_message(raw: str) -> tuple[str, dict[str, Any]]:
     """Parse one text frame into its ``type`` and ``data`` (``{}`` for state and close).
 
@@ -87,11 +152,12 @@ def parse_message(raw: str) -> tuple[str, dict[str, Any]]:
     frame) is taken as it is; any other frame is validated by the message models.
 
     Raises:
-        WireError: invalid JSON, an unknown ``type``, or fields the type does not allow.
+        WireError: invalid JSON (the bare ``NaN``/``Infinity`` included), an unknown
+            ``type``, or fields the type does not allow.
     """
     try:
-        payload = json.loads(raw)
-    except json.JSONDecodeError as exc:
+        payload = strict_json_loads(raw)
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError
         raise WireError(ErrorCode.INVALID_JSON, f"Invalid JSON: {exc}") from None
     kind = payload.get("type") if isinstance(payload, dict) else None
     if kind == "step" and len(payload) == 2 and type(payload.get("data")) is dict:
@@ -110,7 +176,11 @@ def parse_message(raw: str) -> tuple[str, dict[str, Any]]:
 
 
 def observation_frame(observation: BaseModel) -> str:
-    """The ``observation`` reply for an OpenEnv observation (OpenEnv's own layout)."""
+    """The ``observation`` reply for an OpenEnv observation (OpenEnv's own layout).
+
+    Raises:
+        WireError: a non-finite number in the observation: JSON has none.
+    """
     if type(observation) is TextObservation:  # the hot path: its fields are JSON already
         o: Any = observation
         return text_observation_frame(
@@ -130,7 +200,7 @@ def observation_frame(observation: BaseModel) -> str:
     }
     if fields.get("metadata"):
         data["metadata"] = fields["metadata"]
-    return json.dumps({"type": "observation", "data": data})
+    return _dump_reply({"type": "observation", "data": data})
 
 
 def text_observation_frame(
@@ -143,7 +213,11 @@ def text_observation_frame(
     answer: Any,
     metadata: dict[str, Any],
 ) -> str:
-    """The ``observation`` reply of a :class:`TextObservation` with these (JSON) fields."""
+    """The ``observation`` reply of a :class:`TextObservation` with these (JSON) fields.
+
+    Raises:
+        WireError: a non-finite number (``reward`` NaN, say) in them: JSON has none.
+    """
     fields = {
         "metadata": metadata,
         "prompt": prompt,
@@ -154,17 +228,28 @@ def text_observation_frame(
     data: dict[str, Any] = {"observation": fields, "reward": reward, "done": done}
     if metadata:
         data["metadata"] = metadata
-    return json.dumps({"type": "observation", "data": data})
+    return _dump_reply({"type": "observation", "data": data})
 
 
 def state_frame(state: BaseModel) -> str:
-    """The ``state`` reply."""
-    return json.dumps({"type": "state", "data": state.model_dump(mode="json")})
+    """The ``state`` reply.
+
+    Raises:
+        WireError: a non-finite number in the state: JSON has none.
+    """
+    return _dump_reply({"type": "state", "data": state.model_dump(mode="json")}, ("state",))
 
 
 def error_frame(code: ErrorCode | str, message: str, **extra: Any) -> str:
-    """An ``error`` reply: ``{"type": "error", "data": {"message", "code", ...}}``."""
-    return json.dumps({"type": "error", "data": {"message": message, "code": str(code), **extra}})
+    """An ``error`` reply: ``{"type": "error", "data": {"message", "code", ...}}``.
+
+    Extra fields that are not JSON (a non-finite number) are left out, never the reply.
+    """
+    frame = {"type": "error", "data": {"message": message, "code": str(code), **extra}}
+    try:
+        return _JSON_OUT.encode(frame)
+    except ValueError:
+        return _JSON_OUT.encode({"type": "error", "data": {"message": message, "code": str(code)}})
 
 
 def code_for_exception(exc: BaseException) -> ErrorCode:

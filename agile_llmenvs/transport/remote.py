@@ -24,10 +24,11 @@ from agile_llmenvs.errors import (
     EnvConnectionError,
     EnvError,
     EnvFactoryError,
+    EnvProtocolError,
     EnvStateError,
     EnvTimeoutError,
 )
-from agile_llmenvs.transport.protocol import error_from_wire
+from agile_llmenvs.transport.protocol import error_from_wire, strict_json_loads
 from agile_llmenvs.transport.session_loop import SESSION_LOOP
 from agile_llmenvs.transport.types import EnvReply
 
@@ -292,7 +293,12 @@ class RemoteEnvClient:
         return delay
 
     def _reply(self, raw: str | bytes, parse: bool) -> Any:
-        reply = json.loads(raw)
+        try:  # a reply holding a bare NaN is not JSON either: refuse it, never read it as nan
+            reply = strict_json_loads(raw)
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError
+            raise EnvProtocolError(f"{self.url}: the server's reply is not JSON: {exc}") from None
+        if not isinstance(reply, dict):
+            raise EnvProtocolError(f"{self.url}: the server's reply is not a JSON object")
         if reply.get("type") == "error":
             raise error_from_wire(reply.get("data") or {}, url=self.url)
         if not parse:

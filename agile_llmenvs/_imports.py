@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from agile_llmenvs._yaml import safe_load
 from agile_llmenvs.errors import EnvBuildError, ImportPathError
 
 __all__ = ["load_env_config", "load_module_file", "load_object"]
@@ -94,7 +95,10 @@ def load_env_config(env_config: dict[str, Any] | str | None) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise EnvBuildError(f"env_config: cannot read {env_config!r}: {exc}") from exc
-    loaded = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    try:
+        loaded = json.loads(text) if path.suffix.lower() == ".json" else safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise EnvBuildError(f"env_config: {env_config!r} is not valid YAML/JSON: {exc}") from exc
     if not isinstance(loaded, dict):
         raise EnvBuildError(
             f"env_config: {env_config!r} must hold a mapping of keyword arguments, "

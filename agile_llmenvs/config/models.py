@@ -13,6 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agile_llmenvs._yaml import safe_load
 from agile_llmenvs.errors import ManifestError
 from agile_llmenvs.specs._types import ImportPath
 
@@ -133,7 +134,7 @@ class EvalConfig(BaseModel):
         """
         source = Path(path)
         try:
-            data = yaml.safe_load(source.read_text(encoding="utf-8"))
+            data = safe_load(source.read_text(encoding="utf-8"))
         except OSError as exc:
             raise ManifestError(f"cannot read eval config {source}: {exc}") from exc
         except yaml.YAMLError as exc:

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, Field, model_validator
 
+from agile_llmenvs._yaml import safe_load
 from agile_llmenvs.errors import ManifestError
 from agile_llmenvs.specs._types import SPEC_CONFIG
 from agile_llmenvs.specs.env import BanditEnvSpec, GymEnvSpec, OfflineEnvSpec, fail
@@ -336,7 +337,7 @@ def load_manifest(path: str | Path) -> RunManifest:
     suffix = path.suffix.lower()
     try:
         if suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
+            data = safe_load(text)
         elif suffix == ".json":
             data = json.loads(text)
         else:

@@ -82,7 +82,11 @@ def _serve(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     print(f"serving {args.entrypoint} at {url} (sessions at {url}/ws)", flush=True)
-    stop.wait()
+    while not stop.wait(1.0):
+        if not server.serving:  # exit non-zero, so a supervisor restarts it
+            print(f"error: the env server at {url} stopped serving", file=sys.stderr)
+            server.close()
+            return 1
     server.close()
     return 0
 

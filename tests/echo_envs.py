@@ -188,3 +188,15 @@ class ToolEnv:
                 return State(episode_id=None, step_count=0)
 
         return _Env()
+
+
+class HostileEnv(EchoEnv):
+    """An :class:`EchoEnv` whose ``exit`` action raises ``SystemExit`` and ``interrupt``
+    raises ``KeyboardInterrupt``: what a broken env does to a server that lets them through."""
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if action == "exit":
+            raise SystemExit(3)
+        if action == "interrupt":
+            raise KeyboardInterrupt
+        return super().step(action)

@@ -387,7 +387,7 @@ class RolloutCollector:
         try:
             return call()
         finally:
-            self._calls.record(env_class, time.perf_counter() - start, inline=inline)
+            self._calls.record(env_class, time.perf_counter() - start)
 
     def _env_class(self, index: int) -> type:
         """The class whose calls the policy judges: an in-process env's, else the client's

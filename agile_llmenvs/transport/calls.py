@@ -1,12 +1,14 @@
-"""Where a sync env call runs: inline on the server's event loop, or in its thread pool.
+"""How the server's event loop waits for a sync env call, which runs in its thread pool.
 
-A hop to a worker thread costs 70-120 µs per call on these machines — more than the rest of
-the server's work for a step. In ``auto`` mode each env class starts in the pool; once it has
-shown :data:`WARMUP_CALLS` calls under ``inline_budget_s`` it runs inline, and
-:data:`DEMOTE_STRIKES` inline calls in a row over ``demote_after_s`` send that class back to the
-pool for good: a slow env stalls the loop (and every other session's replies and pings) a few
-times at most, briefly, while one call that the OS merely descheduled on a loaded machine does
-not cost a fast env its inline calls.
+Awaiting a worker thread through asyncio costs 70-120 µs per call on these machines — more
+than the rest of the server's work for a step. In ``auto`` mode each env class starts with
+plain awaits; once it has shown :data:`WARMUP_CALLS` calls under ``inline_budget_s``, the loop
+waits for each of its calls on the worker's future itself, up to ``inline_wait_s`` (about the
+cost of running it inline), and only awaits it when it takes longer. So one session's env call
+delays the others by at most ``inline_wait_s``, whatever the env does. :data:`DEMOTE_STRIKES`
+calls in a row over ``demote_after_s`` return that class to plain awaits for good, while one
+call that the OS merely descheduled on a loaded machine does not cost a fast env its waits.
+``inline`` runs calls on the loop itself (no bound: opt-in); ``thread`` always awaits.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ DEMOTE_STRIKES = 3
 
 
 class CallPolicy:
-    """Per env class, whether its sync calls run inline; fed with each call's duration.
+    """Per env class, how the loop waits for its sync calls; fed with each call's duration.
 
     Args:
-        mode: ``auto`` (adaptive, above), ``thread`` (always the pool) or ``inline`` (never).
-        inline_budget_s: A call this fast counts towards running inline.
-        demote_after_s: :data:`DEMOTE_STRIKES` inline calls in a row this slow return their
-            class to the pool.
+        mode: ``auto`` (adaptive, above), ``thread`` (always await) or ``inline`` (run on the
+            event loop).
+        inline_budget_s: A call this fast counts towards being waited for.
+        demote_after_s: :data:`DEMOTE_STRIKES` waited-for calls in a row this slow return
+            their class to plain awaits.
     """
 
     def __init__(
@@ -47,20 +50,28 @@ class CallPolicy:
         self.always_threaded: set[type] = set()
 
     def inline(self, env_class: type) -> bool:
-        """Whether the next call of ``env_class`` runs inline."""
+        """Whether ``env_class`` has proven its calls fast (``inline`` mode: always).
+
+        The rollout collector then runs them in its own thread; the server waits for them.
+        """
         if self.mode != "auto":
             return self.mode == "inline"
-        if env_class in self.always_threaded:
+        if env_class in self.always_threaded or env_class in self._demoted:
             return False
-        return env_class not in self._demoted and self._fast_calls.get(env_class, 0) >= (
-            WARMUP_CALLS
-        )
+        return self._fast_calls.get(env_class, 0) >= WARMUP_CALLS
 
-    def record(self, env_class: type, seconds: float, *, inline: bool) -> None:
+    def wait_s(self, env_class: type, inline_wait_s: float) -> float | None:
+        """How long the server's loop waits for the next call of ``env_class`` before it
+        awaits it (0: await at once; None: run it on the loop itself, ``inline`` mode)."""
+        if self.mode == "inline":
+            return None
+        return inline_wait_s if self.inline(env_class) else 0.0
+
+    def record(self, env_class: type, seconds: float) -> None:
         """Account one call of ``env_class`` that took ``seconds``."""
         if self.mode != "auto" or env_class in self._demoted:
             return
-        if inline:
+        if self._fast_calls.get(env_class, 0) >= WARMUP_CALLS:
             if seconds <= self.demote_after_s:
                 self._strikes[env_class] = 0
                 return
@@ -69,7 +80,8 @@ class CallPolicy:
             if strikes >= DEMOTE_STRIKES:
                 self._demoted.add(env_class)
                 logger.info(
-                    "%s: %d calls in a row over %.1f ms; its calls now run in the thread pool",
+                    "%s: %d calls in a row over %.1f ms; the server no longer waits for its "
+                    "calls",
                     env_class.__name__,
                     strikes,
                     self.demote_after_s * 1e3,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 from collections.abc import Callable
@@ -17,7 +18,12 @@ from agile_llmenvs.transport._openenv import Environment
 from agile_llmenvs.transport.sessions import ServerSettings, SessionHost
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
 
-__all__ = ["OpenEnvServer", "ServerSettings"]
+__all__ = ["DEFAULT_MAX_SESSIONS", "OpenEnvServer", "ServerSettings"]
+
+logger = logging.getLogger(__name__)
+
+#: Sessions a server with ``make_env`` serves at once unless told otherwise.
+DEFAULT_MAX_SESSIONS = 256
 
 EnvLike: TypeAlias = Any
 """A :class:`TextEnv` or an OpenEnv ``Environment`` (OpenEnv's classes are untyped)."""
@@ -36,15 +42,17 @@ class OpenEnvServer:
         host: Interface to bind (default loopback).
         port: TCP port; 0 lets the OS pick one.
         env_name: Name in the env's metadata; defaults to its class name.
-        max_concurrent_envs: Max live sessions (with ``make_env``; None: unlimited). Set it to
-            at least ``batch_size * group_size`` (+1 for an eval env) for GRPO.
+        max_concurrent_envs: Max live sessions (with ``make_env``; default
+            :data:`DEFAULT_MAX_SESSIONS`; None: unlimited). Set it to at least
+            ``batch_size * group_size`` (+1 for an eval env) for GRPO.
         advertise_host: Host clients should dial when it differs from the bound interface.
-        token: Shared secret clients must present (OpenEnv itself has no authentication).
+        token: Shared secret clients must present (OpenEnv itself has no authentication);
+            an empty one is refused.
         settings: Timeouts, keep-alive and message limits.
 
     Raises:
-        ValueError: both or neither of ``env``/``make_env``, or ``max_concurrent_envs > 1``
-            with a shared ``env``.
+        ValueError: both or neither of ``env``/``make_env``, ``max_concurrent_envs > 1``
+            with a shared ``env``, or an empty ``token``.
     """
 
     def __init__(
@@ -55,13 +63,15 @@ class OpenEnvServer:
         host: str = "127.0.0.1",
         port: int = 0,
         env_name: str | None = None,
-        max_concurrent_envs: int | None = None,
+        max_concurrent_envs: int | None = DEFAULT_MAX_SESSIONS,
         advertise_host: str | None = None,
         token: str | None = None,
         settings: ServerSettings | None = None,
     ) -> None:
         if (env is None) == (make_env is None):
             raise ValueError("OpenEnvServer needs exactly one of `env` or `make_env`")
+        if env is not None and max_concurrent_envs == DEFAULT_MAX_SESSIONS:
+            max_concurrent_envs = 1
         if env is not None and max_concurrent_envs not in (None, 1):
             raise ValueError(
                 f"max_concurrent_envs={max_concurrent_envs} needs `make_env`: one shared `env` "
@@ -112,6 +122,11 @@ class OpenEnvServer:
         return f"http://{host}:{self.port}"
 
     @property
+    def serving(self) -> bool:
+        """Whether the serving thread is up (False once closed, or if serving failed)."""
+        return self._thread.is_alive()
+
+    @property
     def active_sessions(self) -> int:
         """Sessions open right now."""
         return self.host_sessions.active_sessions
@@ -139,8 +154,11 @@ class OpenEnvServer:
         self.close()
 
     def _run(self) -> None:
-        with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            runner.run(self._serve())
+        try:
+            with asyncio.Runner(loop_factory=new_event_loop) as runner:
+                runner.run(self._serve())
+        except BaseException:  # not the env's (sessions absorb those): the server's own
+            logger.exception("the env server on %s:%d stopped serving", self.host, self.port)
 
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -10,6 +10,7 @@ or inline once an env has shown its calls are fast); envs implementing OpenEnv's
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import inspect
@@ -61,9 +62,21 @@ class ServerSettings:
         max_message_bytes: Larger frames get a ``MESSAGE_TOO_LARGE`` error reply; frames over
             4x this close the connection (code 1009).
         executor_threads: Threads running sync env calls (None: one per session, up to 256).
-        env_calls: Where sync env calls run: ``auto`` (in the thread pool until an env class
-            has shown its calls are fast, then inline on the event loop; see
-            :mod:`~agile_llmenvs.transport.calls`), ``thread`` or ``inline``.
+        env_calls: Where sync env calls run: ``auto`` (in the thread pool; once an env class
+            has shown its calls are fast, the event loop waits up to ``inline_wait_s`` for
+            each of its calls before it goes on with other sessions; see
+            :mod:`~agile_llmenvs.transport.calls`), ``thread`` (the loop never waits) or
+            ``inline`` (on the event loop itself: fastest, but one slow call stalls every
+            session and no ``env_step_timeout_s`` can stop it).
+        inline_wait_s: Most seconds the event loop waits for one env call in ``auto`` mode:
+            the most one session's env call delays the others.
+        env_step_timeout_s: Most seconds any env call (reset, step, state) may take; a
+            slower one fails with an ``EXECUTION_ERROR`` reply and its session is closed,
+            its env discarded (None: no bound). The worker thread stays busy until the call
+            returns: a thread cannot be stopped from outside.
+        first_message_timeout_s: A connection that sends no message within this is closed
+            (None: never). Envs are built at the first message, so an idle handshake costs
+            no env.
     """
 
     session_idle_timeout_s: float | None = 1800.0
@@ -72,6 +85,17 @@ class ServerSettings:
     max_message_bytes: int = 8 * 1024 * 1024
     executor_threads: int | None = None
     env_calls: CallMode = "auto"
+    inline_wait_s: float = 0.002
+    env_step_timeout_s: float | None = 600.0
+    first_message_timeout_s: float | None = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("env_step_timeout_s", "first_message_timeout_s", "session_idle_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value}")
+        if not self.inline_wait_s >= 0:
+            raise ValueError(f"inline_wait_s must be >= 0, got {self.inline_wait_s}")
 
 
 class SessionHost:
@@ -106,6 +130,11 @@ class SessionHost:
         threads = settings.executor_threads or min(max_sessions or 256, 256)
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="env-session")
         self.calls = CallPolicy(settings.env_calls)
+        if token is not None and not token:
+            raise ValueError(
+                "token is empty: an empty token would accept every client; pass a secret, or "
+                "token=None to serve without authentication"
+            )
 
     # -- handshake ---------------------------------------------------------------------------
 
@@ -162,40 +191,48 @@ class SessionHost:
             self.active_sessions -= 1
 
     async def _session(self, ws: ServerConnection) -> None:
-        loop = asyncio.get_running_loop()
         try:
-            env = await loop.run_in_executor(self.executor, self.make_env)
-        except Exception as exc:
-            logger.exception("env factory failed")
+            first = await asyncio.wait_for(ws.recv(), self.settings.first_message_timeout_s)
+        except TimeoutError:
             with contextlib.suppress(ConnectionClosed):
-                await ws.send(
-                    error_frame(
-                        ErrorCode.FACTORY_ERROR,
-                        f"{type(exc).__name__}: {exc}",
-                        error_type=type(exc).__name__,
-                    )
-                )
-                await ws.close(1011, "env factory failed")
+                await ws.close(1008, "no message within first_message_timeout_s")
+            return
+        except ConnectionClosed:
+            return
+        try:
+            env = await self._call_bounded(self.make_env)
+        except (Exception, _Discard) as exc:
+            failed = exc.exc if isinstance(exc, _Discard) else exc
+            logger.error("env factory failed: %s: %s", type(failed).__name__, failed)
+            await _fail_session(ws, ErrorCode.FACTORY_ERROR, failed, "env factory failed")
             return
         action_cls = getattr(env, "ACTION_CLS", None) or TextAction
+        discarded = False
         try:
-            await self._serve(ws, env, action_cls)
+            await self._serve(ws, env, action_cls, first)
         except ConnectionClosed:
             pass
+        except _Discard as failure:
+            discarded = True
+            await _fail_session(ws, ErrorCode.EXECUTION_ERROR, failure.exc, "env discarded")
         finally:
-            if self.owns_envs:
-                with contextlib.suppress(Exception):
-                    await loop.run_in_executor(self.executor, env.close)
+            if self.owns_envs or discarded:
+                with contextlib.suppress(BaseException):
+                    await self._call_bounded(env.close)
 
-    async def _serve(self, ws: ServerConnection, env: Environment, action_cls: type) -> None:
+    async def _serve(
+        self, ws: ServerConnection, env: Environment, action_cls: type, first: Any
+    ) -> None:
         idle = self.settings.session_idle_timeout_s
         limit = self.settings.max_message_bytes
         loop = asyncio.get_running_loop()
         clock = _IdleClock(loop.time())
         watchdog = None if idle is None else asyncio.create_task(_close_when_idle(ws, clock, idle))
+        message = first
         try:
             while True:
-                message = await ws.recv()
+                if message is None:
+                    message = await ws.recv()
                 clock.busy = True
                 if not isinstance(message, str):
                     reply = error_frame(
@@ -214,6 +251,7 @@ class SessionHost:
                         return
                     reply = answer
                 await ws.send(reply)
+                message = None
                 clock.busy = False
                 clock.last = loop.time()
         finally:
@@ -238,6 +276,8 @@ class SessionHost:
             return observation_frame(observation)
         except WireError as exc:
             return error_frame(exc.code, str(exc), **exc.extra)
+        except _Discard:
+            raise
         except Exception as exc:
             return error_frame(
                 code_for_exception(exc),
@@ -246,25 +286,95 @@ class SessionHost:
             )
 
     async def _call(self, env: Environment, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run one env call where the call policy says, bounded by ``env_step_timeout_s``.
+
+        Raises:
+            _Discard: the call outlived its bound or raised a ``BaseException`` that is not
+                an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``): the session ends
+                and its env is discarded; the server goes on.
+        """
         env_class = type(env)
         overridden = getattr(env_class, f"{method}_async", None)
         if overridden is not None and overridden is not getattr(Environment, f"{method}_async"):
-            return await getattr(env, f"{method}_async")(*args, **kwargs)
-        call = partial(getattr(env, method), *args, **kwargs)
-        inline = self.calls.inline(env_class)
-        if inline:
-            return self._timed(env_class, call, inline=True)
-        timed = partial(self._timed, env_class, call, inline=False)
-        return await asyncio.get_running_loop().run_in_executor(self.executor, timed)
+            task = asyncio.ensure_future(getattr(env, f"{method}_async")(*args, **kwargs))
+            return await self._settle(task, method)
+        call = partial(self._timed, env_class, partial(getattr(env, method), *args, **kwargs))
+        wait = self.calls.wait_s(env_class, self.settings.inline_wait_s)
+        if wait is None:  # env_calls="inline": on the loop itself, unbounded
+            return _result(call)
+        future = self.executor.submit(call)
+        if wait > 0:  # a call proven fast: wait for it here, at most `wait`
+            concurrent.futures.wait((future,), timeout=wait)
+        if future.done():
+            return _result(future.result)
+        return await self._settle(asyncio.wrap_future(future), method.removesuffix("_frame"))
 
-    def _timed(self, env_class: type, call: Callable[[], Any], *, inline: bool) -> Any:
+    async def _call_bounded(self, call: Callable[[], Any]) -> Any:
+        """``call()`` in the thread pool, bounded like an env call (the factory, close)."""
+        future = asyncio.get_running_loop().run_in_executor(self.executor, call)
+        return await self._settle(future, getattr(call, "__name__", "env call"))
+
+    async def _settle(self, future: asyncio.Future[Any], what: str) -> Any:
+        """The result of an env call's future, waited for at most ``env_step_timeout_s``."""
+        timeout = self.settings.env_step_timeout_s
+        done, _ = await asyncio.wait((future,), timeout=timeout)
+        if not done:
+            future.cancel()  # an async env stops; a thread cannot be stopped from outside
+            raise _Discard(
+                EnvCallTimeout(
+                    f"the env's {what} took longer than env_step_timeout_s={timeout:g} s; "
+                    "the session is closed and its env discarded"
+                )
+            )
+        return _result(future.result)
+
+    def _timed(self, env_class: type, call: Callable[[], Any]) -> Any:
         """Run ``call`` and report its own duration (never the wait for a worker thread,
         which grows with the number of sessions, not with the env's cost)."""
         start = time.perf_counter()
         try:
             return call()
         finally:
-            self.calls.record(env_class, time.perf_counter() - start, inline=inline)
+            self.calls.record(env_class, time.perf_counter() - start)
+
+
+class _Discard(Exception):
+    """An env call that ends its session: it outlived ``env_step_timeout_s``, or raised a
+    ``BaseException`` such as ``SystemExit`` (which must not stop the server)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
+
+
+class EnvCallTimeout(Exception):
+    """An env call outlived ``env_step_timeout_s`` (reported to the client, never raised
+    to the caller of the server)."""
+
+
+def _result(get: Callable[[], Any]) -> Any:
+    """``get()``; a ``BaseException`` that is no ``Exception`` (an env's ``SystemExit``,
+    ``KeyboardInterrupt``) becomes :class:`_Discard` instead of stopping the server."""
+    try:
+        return get()
+    except Exception:
+        raise
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:
+        logger.error("an env call raised %s; its session is closed", type(exc).__name__)
+        raise _Discard(exc) from None
+
+
+async def _fail_session(
+    ws: ServerConnection, code: ErrorCode, exc: BaseException, reason: str
+) -> None:
+    """Tell the client why its session ends, then close it (1011)."""
+    with contextlib.suppress(ConnectionClosed):
+        await ws.send(
+            error_frame(code, f"{type(exc).__name__}: {exc}", error_type=type(exc).__name__)
+        )
+        await ws.close(1011, reason)
 
 
 def _plain_text_step(env: Environment, data: dict[str, Any]) -> bool:

@@ -152,6 +152,7 @@ def test_capacity_is_reported_unprompted_then_the_socket_closes() -> None:
 
 def test_a_factory_failure_is_reported() -> None:
     with OpenEnvServer(make_env=BrokenFactoryEnv) as server, ws_connect(server) as ws:
+        ws.send(json.dumps({"type": "reset", "data": {}}))  # envs are built at the first message
         reply = json.loads(ws.recv(timeout=5))
         assert reply["data"]["code"] == "FACTORY_ERROR"
         assert reply["data"]["message"] == "RuntimeError: cannot build this env"

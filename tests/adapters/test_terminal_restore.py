@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from hashlib import sha256
@@ -12,6 +13,8 @@ import pytest
 from agile_llmenvs.adapters.terminal import (
     DEFAULT_PROBES,
     CommandHistory,
+    TaskFolder,
+    TerminalConfig,
     TerminalEnvironment,
     terminal_restore,
     validate_replay_consistency,
@@ -19,6 +22,7 @@ from agile_llmenvs.adapters.terminal import (
 from agile_llmenvs.core import Action, State
 from agile_llmenvs.errors import ContinuationPromptError, ReplayError, TaskMismatchError
 
+TASKS = Path(__file__).resolve().parents[2] / "manifests" / "data" / "terminal_tasks"
 FINGERPRINT = "find . -type f -exec md5sum {} + | sort -k 2; pwd | sed 's|.*/work||'"
 PREFIX = ("mkdir -p out/deep && cd out", "wc -l < ../data.txt > n.txt", "x=$(cat n.txt)")
 CONTINUATION = ("echo $x > deep/copy.txt", "cd .. && cp out/n.txt count.txt", FINGERPRINT)
@@ -62,7 +66,25 @@ def test_restore_then_continue_gives_the_files_of_an_uninterrupted_run(make_env)
     assert own == ["cat: deep/copy.txt: No such file or directory\n37\n[exit status 0]"]
 
 
-def test_replay_time_is_not_charged_to_the_continuation(make_env, tmp_path: Path) -> None:
+def test_replay_time_is_not_charged_to_the_continuation(work_root: Path, tmp_path: Path) -> None:
+    # the commands read a file the test changes outside any work folder: unsandboxed
+    made: list[TerminalEnvironment] = []
+
+    def make_env(**config: float) -> TerminalEnvironment:
+        tasks = TaskFolder(TASKS, work_root=work_root, sandbox="none")
+        made.append(TerminalEnvironment(tasks, TerminalConfig(**config)))
+        return made[-1]
+
+    try:
+        _replay_time_is_not_charged(make_env, tmp_path)
+    finally:
+        for env in made:
+            env.close()
+
+
+def _replay_time_is_not_charged(
+    make_env: Callable[..., TerminalEnvironment], tmp_path: Path
+) -> None:
     delay = tmp_path / "delay"
     command = f"sleep $(cat {delay})"  # as long as the file says: a replay can be slower
     delay.write_text("0.1")

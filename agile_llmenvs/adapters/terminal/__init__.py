@@ -1,6 +1,8 @@
 """A terminal environment for agent tasks that runs without Docker.
 
-Each episode is a persistent ``bash`` in its own temporary working directory; tasks come from
+Each episode is a persistent ``bash`` in its own temporary working directory, jailed with
+bubblewrap (its own PID, mount and network namespaces, an unprivileged uid, rlimits; see
+:mod:`~agile_llmenvs.adapters.terminal.jail`); tasks come from
 a folder (``instruction.md`` + ``verify.sh``, optionally ``setup.sh``); the policy sends one
 shell command per step and ``submit`` when done; a per-episode time budget bounds it. States
 are not pure, so a state is restored on a fresh instance by replaying its commands
@@ -17,6 +19,7 @@ from agile_llmenvs.adapters.terminal.env import (
     TerminalEnvironment,
     TimeBudget,
 )
+from agile_llmenvs.adapters.terminal.jail import SandboxLimits
 from agile_llmenvs.adapters.terminal.replay import (
     DEFAULT_PROBES,
     SupportsReplay,
@@ -35,6 +38,7 @@ __all__ = [
     "LocalSandbox",
     "ParsedAction",
     "Sandbox",
+    "SandboxLimits",
     "ShellSession",
     "SupportsReplay",
     "TaskFolder",

@@ -129,6 +129,8 @@ class TerminalEnvironment:
         tasks: A folder of tasks (see :class:`TaskFolder`) or any task source (Harbor's).
         config: Step, time and output limits.
         name: A label for results; defaults to ``terminal:<folder name>``.
+        sandbox: For a folder given by path: ``"bubblewrap"`` (the default) or ``"none"``
+            (see :class:`TaskFolder`); a task source passed whole keeps its own.
     """
 
     def __init__(
@@ -137,9 +139,10 @@ class TerminalEnvironment:
         config: TerminalConfig | None = None,
         *,
         name: str | None = None,
+        sandbox: str = "bubblewrap",
     ) -> None:
         if isinstance(tasks, str | os.PathLike):
-            tasks = TaskFolder(tasks)
+            tasks = TaskFolder(tasks, sandbox=sandbox)
         self.tasks = tasks
         self.config = config or TerminalConfig()
         default_name = f"terminal:{tasks.tasks_dir.name}" if isinstance(tasks, TaskFolder) else None

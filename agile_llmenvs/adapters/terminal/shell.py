@@ -12,6 +12,11 @@ quote, a heredoc without its terminator, a trailing ``|`` or ``\\``) is found by
 :func:`is_incomplete` before it is sent, and is not run. A command that outlives its timeout,
 or a shell that exits (``exit 3``), costs the shell: its whole process group is killed and a
 fresh shell starts in the same directory, so files survive and shell variables do not.
+
+Given a :class:`~agile_llmenvs.adapters.terminal.jail.JailSpec`, the shell runs in a
+bubblewrap jail: its own PID namespace, killed whole (``setsid`` children included) when the
+shell is restarted or closed. A command that redirects the shell's own output away (``exec
+>/dev/null``) never prints its marker: it times out, and the shell restarts.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from agile_llmenvs.adapters.terminal.jail import Jailed, JailSpec, start_jailed
 from agile_llmenvs.errors import EnvBuildError
 
 __all__ = ["CommandResult", "ShellSession", "is_incomplete"]
@@ -35,6 +41,7 @@ __all__ = ["CommandResult", "ShellSession", "is_incomplete"]
 _INCOMPLETE_SIGNS = ("unexpected EOF", "unexpected end of file", "delimited by end-of-file")
 _READ_SIZE = 65536
 _POLL_S = 0.2
+_START_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -86,11 +93,14 @@ class ShellSession:
     Args:
         cwd: The directory the shell starts in (and restarts in).
         env: The shell's environment variables (the whole environment, not additions).
+        jail: Run the shell in this bubblewrap jail (``None``: unsandboxed, as this user).
     """
 
-    def __init__(self, cwd: Path, env: Mapping[str, str]) -> None:
+    def __init__(self, cwd: Path, env: Mapping[str, str], *, jail: JailSpec | None = None) -> None:
         self.cwd = cwd
         self._env = dict(env)
+        self._jail = jail
+        self._jailed: Jailed | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._marker = f"__agile_llmenvs_done_{uuid.uuid4().hex}__".encode()
         self._start()
@@ -125,17 +135,31 @@ class ShellSession:
         self._restart()
         return CommandResult(output, exit_code, elapsed, timed_out=not ended, shell_restarted=True)
 
+    @property
+    def jailed(self) -> Jailed | None:
+        """The running shell's jail, when it has one."""
+        return self._jailed
+
     def close(self) -> None:
-        """Kill the shell and everything it started (its process group)."""
+        """Kill the shell and everything it started (its PID namespace, or process group)."""
         process, self._process = self._process, None
+        jailed, self._jailed = self._jailed, None
         if process is None:
             return
-        _kill_group(process)
+        if jailed is not None:
+            jailed.kill()
+        else:
+            _kill_group(process)
         for stream in (process.stdin, process.stdout):
             if stream is not None:
                 stream.close()
 
     def _start(self) -> None:
+        if self._jail is not None:
+            self._jailed = start_jailed(self._jail, ["bash", "--noprofile", "--norc"])
+            self._process = self._jailed.process
+            self._await_ready()
+            return
         try:
             self._process = subprocess.Popen(
                 ["bash", "--noprofile", "--norc"],
@@ -151,6 +175,20 @@ class ShellSession:
                 f"cannot start bash in {str(self.cwd)!r}: {exc}; the terminal env needs "
                 "bash on PATH"
             ) from exc
+
+    def _await_ready(self) -> None:
+        """Wait (bounded) until the jailed shell answers, so it is up and not just bwrap."""
+        process = self._require_process()
+        assert process.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            process.stdin.write(f"printf '%s%d\\n' '{self._marker.decode()}' 0\n".encode())
+            process.stdin.flush()
+        data, status, _ = self._read_until_marker(process, time.monotonic() + _START_TIMEOUT_S)
+        if status != 0:
+            self.close()
+            raise EnvBuildError(
+                f"the sandboxed shell did not start; it printed {data.decode(errors='replace')!r}"
+            )
 
     def _restart(self) -> None:
         self.close()
@@ -181,7 +219,8 @@ class ShellSession:
                 buffer.append(chunk)
             elif ready or process.poll() is not None:
                 # End of file, or the shell exited while a child it left keeps the pipe open.
-                process.wait()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=2)
                 return buffer.contents(), None, True
 
 
@@ -222,4 +261,5 @@ class _CappedBuffer:
 def _kill_group(process: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=10)

@@ -10,19 +10,38 @@ it writes none, exit status 0 gives 1.0 and any other status 0.0. A verifier tha
 its timeout gives 0.0. Scripts see ``TASK_DIR`` (the task folder), ``WORK_DIR`` and, when the
 episode was reset with a seed, ``TASK_SEED``.
 
-This is isolation for tidiness, not security: commands run as the current user.
+By default (``sandbox="bubblewrap"``) every episode runs in bubblewrap jails (see
+:mod:`agile_llmenvs.adapters.terminal.jail` and docs/terminal.md's threat model): the shell
+sees its working directory (read-write, its ``HOME``), the system folders read-only, a
+private ``/tmp``, no network unless ``allow_network``, and runs as an unprivileged uid of its
+own under rlimits. The task folder is bound only into the setup's and the verifier's jails.
+The verifier runs after every process of the episode's shell is gone, in a jail of its own,
+and writes its reward into a folder the shell never sees. ``sandbox="none"`` runs commands
+unsandboxed, as the current user (for hosts without namespaces; it logs a warning).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from agile_llmenvs.adapters.terminal.jail import (
+    SANDBOX_MODES,
+    JailSpec,
+    SandboxLimits,
+    check_bubblewrap,
+    jail_uid,
+    read_until,
+    run_jailed,
+)
 from agile_llmenvs.adapters.terminal.sandbox import Verdict
 from agile_llmenvs.adapters.terminal.shell import CommandResult, ShellSession
 from agile_llmenvs.errors import EnvBuildError
@@ -30,6 +49,9 @@ from agile_llmenvs.errors import EnvBuildError
 __all__ = ["LocalSandbox", "TaskFolder", "TerminalTask"]
 
 WORK_DIR_PREFIX = "agile-llmenvs-terminal-"
+JAIL_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_MAX_REWARD_BYTES = 4096
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -69,9 +91,15 @@ class TaskFolder:
         script_timeout_s: Most seconds ``setup.sh`` or ``verify.sh`` may run.
         work_root: Where the episodes' temporary directories are made (the system's
             temporary directory by default).
+        sandbox: ``"bubblewrap"`` (jail every command; the default) or ``"none"`` (run
+            unsandboxed, as the current user; logs a warning).
+        allow_network: Let the episode's commands and scripts use the host's network.
+        limits: The jails' rlimits (:class:`SandboxLimits`' defaults when ``None``).
 
     Raises:
-        EnvBuildError: The folder is missing, holds no task, or a task lacks a file.
+        EnvBuildError: The folder is missing, holds no task, or a task lacks a file; or
+            ``sandbox="bubblewrap"`` and this host cannot run bubblewrap jails.
+        ValueError: ``sandbox`` is neither mode.
     """
 
     def __init__(
@@ -80,11 +108,28 @@ class TaskFolder:
         *,
         script_timeout_s: float = 60.0,
         work_root: str | os.PathLike[str] | None = None,
+        sandbox: str = "bubblewrap",
+        allow_network: bool = False,
+        limits: SandboxLimits | None = None,
     ) -> None:
+        if sandbox not in SANDBOX_MODES:
+            raise ValueError(f"sandbox must be one of {SANDBOX_MODES}, got {sandbox!r}")
         self.tasks_dir = Path(tasks_dir).resolve()
         self.script_timeout_s = script_timeout_s
-        self.work_root = None if work_root is None else Path(work_root)
+        self.work_root = None if work_root is None else Path(work_root).resolve()
+        self.sandbox = sandbox
+        self.allow_network = allow_network
+        self.limits = limits or SandboxLimits()
         self.tasks = _read_tasks(self.tasks_dir)
+        if sandbox == "bubblewrap":
+            check_bubblewrap()
+        else:
+            _log.warning(
+                "TERMINAL ENV UNSANDBOXED (sandbox='none'): commands from %s run as this "
+                "user, with its files, network, processes and environment; a policy can "
+                "forge its reward and outlive its episode",
+                self.tasks_dir,
+            )
 
     @property
     def task_names(self) -> tuple[str, ...]:
@@ -131,31 +176,52 @@ class LocalSandbox:
     def __init__(self, task: TerminalTask, folder: TaskFolder, seed: int | None) -> None:
         self.task = task
         self._timeout_s = folder.script_timeout_s
+        self._jailed = folder.sandbox == "bubblewrap"
         self._root = tempfile.TemporaryDirectory(
             prefix=WORK_DIR_PREFIX, dir=folder.work_root, ignore_cleanup_errors=True
         )
         root = Path(self._root.name)
         self.work_dir = root / "work"
-        self._reward_file = root / "verifier" / "reward"
+        self._verifier_dir = root / "verifier"
+        self._reward_file = self._verifier_dir / "reward"
         self.work_dir.mkdir()
-        self._reward_file.parent.mkdir()
-        self._env = _shell_env(self.work_dir)
+        self._uid = jail_uid()
+        if self._jailed:
+            os.chown(self.work_dir, self._uid, self._uid)
+        else:
+            self._verifier_dir.mkdir()
+        self._env = _shell_env(self.work_dir, jailed=self._jailed)
         self._script_env = {**self._env, "TASK_DIR": str(task.directory)}
         self._script_env["WORK_DIR"] = str(self.work_dir)
         if seed is not None:
             self._script_env["TASK_SEED"] = str(seed)
+        self._spec = JailSpec(
+            self.work_dir,
+            self._env,
+            writable=(self.work_dir,),
+            allow_network=folder.allow_network,
+            limits=folder.limits,
+            uid=self._uid,
+        )
         self._shell: ShellSession | None = None
         try:
             self._set_up()
-            self._shell = ShellSession(self.work_dir, self._env)
+            self._shell = ShellSession(
+                self.work_dir, self._env, jail=self._spec if self._jailed else None
+            )
         except BaseException:
             self.close()
             raise
 
     @property
     def shell_pid(self) -> int | None:
-        """The shell's process id, while it runs."""
+        """The shell's process id (the outer ``bwrap``'s when jailed), while it runs."""
         return None if self._shell is None else self._shell.pid
+
+    @property
+    def shell(self) -> ShellSession | None:
+        """The episode's shell, while it runs."""
+        return self._shell
 
     def run(self, command: str, timeout_s: float) -> CommandResult:
         """Run ``command`` in the episode's shell."""
@@ -164,14 +230,22 @@ class LocalSandbox:
         return self._shell.run(command, timeout_s)
 
     def verify(self) -> Verdict:
-        """Run ``verify.sh`` in the working directory and read the reward it sets."""
+        """End the shell (every process it started), then run ``verify.sh`` in the working
+        directory and read the reward it sets."""
+        if self._shell is not None:
+            self._shell.close()
+            self._shell = None
+        if self._jailed:  # a fresh folder only the verifier's jail sees
+            shutil.rmtree(self._verifier_dir, ignore_errors=True)
+            self._verifier_dir.mkdir()
+            os.chown(self._verifier_dir, self._uid, self._uid)
         self._reward_file.unlink(missing_ok=True)
         env = {**self._script_env, "REWARD_FILE": str(self._reward_file)}
-        code, output = _run_script(self.task.verify_script, self.work_dir, env, self._timeout_s)
+        code, output = self._script(self.task.verify_script, env, (self._verifier_dir,))
         if code is None:
             return Verdict(0.0, output + f"\n[verifier timed out after {self._timeout_s} s]", None)
-        if self._reward_file.is_file() and self._reward_file.read_text().strip():
-            written = self._reward_file.read_text().strip()
+        written = _read_reward(self._reward_file)
+        if written:
             try:
                 return Verdict(float(written), output, code)
             except ValueError:
@@ -190,30 +264,55 @@ class LocalSandbox:
         script = self.task.setup_script
         if script is None:
             return
-        code, output = _run_script(script, self.work_dir, self._script_env, self._timeout_s)
+        code, output = self._script(script, self._script_env, ())
         if code != 0:
             how = f"timed out after {self._timeout_s} s" if code is None else f"exited {code}"
             raise EnvBuildError(
                 f"setup.sh of task {self.task.name!r} {how}; its output ends: {output[-500:]!r}"
             )
 
+    def _script(
+        self, script: Path, env: dict[str, str], writable: tuple[Path, ...]
+    ) -> tuple[int | None, str]:
+        command = ["bash", "--noprofile", "--norc", str(script)]
+        if not self._jailed:
+            return _run_script(command, self.work_dir, env, self._timeout_s)
+        spec = replace(
+            self._spec,
+            env=env,
+            writable=(self.work_dir, *writable),
+            readable=(self.task.directory,),
+        )
+        return run_jailed(spec, command, self._timeout_s)
 
-def _shell_env(work_dir: Path) -> dict[str, str]:
+
+def _read_reward(path: Path) -> str:
+    """The reward file's text ("" when absent); never follows a link, reads a bounded size."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return ""
+    try:
+        if not os.path.isfile(f"/proc/self/fd/{fd}"):
+            return ""
+        return os.read(fd, _MAX_REWARD_BYTES).decode("utf-8", errors="replace").strip()
+    finally:
+        os.close(fd)
+
+
+def _shell_env(work_dir: Path, *, jailed: bool) -> dict[str, str]:
     """A small, fixed environment: what a command sees does not depend on the caller's."""
-    return {
-        "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
-        "HOME": str(work_dir),
-        "LC_ALL": "C",
-        "TERM": "dumb",
-    }
+    path = JAIL_PATH if jailed else os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")
+    return {"PATH": path, "HOME": str(work_dir), "LC_ALL": "C", "TERM": "dumb"}
 
 
 def _run_script(
-    script: Path, cwd: Path, env: dict[str, str], timeout_s: float
+    command: list[str], cwd: Path, env: dict[str, str], timeout_s: float
 ) -> tuple[int | None, str]:
-    """``(exit status or None on a timeout, output)`` of ``bash script`` in ``cwd``."""
+    """``(exit status or None on a timeout, output)`` of ``command`` in ``cwd``, unsandboxed;
+    bounded by ``timeout_s`` even when a child the script left keeps the output pipe open."""
     process = subprocess.Popen(
-        ["bash", "--noprofile", "--norc", str(script)],
+        command,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -221,14 +320,18 @@ def _run_script(
         env=env,
         start_new_session=True,
     )
+    assert process.stdout is not None
+    deadline = time.monotonic() + timeout_s
     try:
-        out, _ = process.communicate(timeout=timeout_s)
-        code: int | None = process.returncode
-    except subprocess.TimeoutExpired:
-        code = None
+        out, _ = read_until(process.stdout.fileno(), deadline, None, process)
+        try:
+            code: int | None = process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            code = None
     finally:
         with contextlib.suppress(ProcessLookupError):  # what the script left running goes too
             os.killpg(process.pid, signal.SIGKILL)
-    if code is None:
-        out, _ = process.communicate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=10)
+        process.stdout.close()
     return code, out.decode("utf-8", errors="replace")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -204,14 +205,19 @@ def test_allow_network_shares_the_hosts_network(sandbox_of, tmp_path: Path) -> N
 def test_the_hosts_environment_is_not_visible(make_env, monkeypatch) -> None:
     secret = f"s3cret-{uuid.uuid4().hex}"
     monkeypatch.setenv("AGILE_TEST_SECRET", secret)
-    env = make_env()
-    state, _ = env.reset(options={"task_index": 0})
-    _, observation = step(
-        env,
-        state,
-        f"env; cat /proc/1/environ /proc/$PPID/environ /proc/{os.getpid()}/environ "
-        f"/proc/{os.getppid()}/environ 2>/dev/null; echo done",
-    )
+    holder = subprocess.Popen(["sleep", "30"], env={"AGILE_TEST_SECRET": secret})
+    try:
+        env = make_env()
+        state, _ = env.reset(options={"task_index": 0})
+        _, observation = step(
+            env,
+            state,
+            f"env; cat /proc/1/environ /proc/$PPID/environ /proc/{os.getpid()}/environ "
+            f"/proc/{holder.pid}/environ 2>/dev/null; echo done",
+        )
+    finally:
+        holder.kill()
+        holder.wait()
     assert secret not in observation
     assert "AGILE_TEST_SECRET" not in observation
     assert observation.endswith("done\n[exit status 0]")

@@ -141,6 +141,7 @@ class OpenEnvServer:
             self._thread.join(timeout_s)
         self._socket.close()
         self.host_sessions.executor.shutdown(wait=False, cancel_futures=True)
+        self.host_sessions.lane.close()
 
     def __enter__(self) -> OpenEnvServer:
         return self

@@ -32,6 +32,7 @@ from websockets.http11 import Request, Response
 
 from agile_llmenvs.transport._openenv import Environment, deserialize_action
 from agile_llmenvs.transport.calls import CallMode, CallPolicy
+from agile_llmenvs.transport.fast_lane import FastLane
 from agile_llmenvs.transport.protocol import (
     ErrorCode,
     WireError,
@@ -130,6 +131,7 @@ class SessionHost:
         threads = settings.executor_threads or min(max_sessions or 256, 256)
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="env-session")
         self.calls = CallPolicy(settings.env_calls)
+        self.lane = FastLane()
         if token is not None and not token:
             raise ValueError(
                 "token is empty: an empty token would accept every client; pass a secret, or "
@@ -302,12 +304,18 @@ class SessionHost:
         wait = self.calls.wait_s(env_class, self.settings.inline_wait_s)
         if wait is None:  # env_calls="inline": on the loop itself, unbounded
             return _result(call)
+        what = method.removesuffix("_frame")
+        if wait > 0 and self.lane.free:  # a call proven fast: wait for it, at most `wait`
+            job = self.lane.run(call, wait)
+            if job.done:
+                return _result(job.result)
+            return await self._settle(job.future(asyncio.get_running_loop()), what)
         future = self.executor.submit(call)
-        if wait > 0:  # a call proven fast: wait for it here, at most `wait`
+        if wait > 0:
             concurrent.futures.wait((future,), timeout=wait)
         if future.done():
             return _result(future.result)
-        return await self._settle(asyncio.wrap_future(future), method.removesuffix("_frame"))
+        return await self._settle(asyncio.wrap_future(future), what)
 
     async def _call_bounded(self, call: Callable[[], Any]) -> Any:
         """``call()`` in the thread pool, bounded like an env call (the factory, close)."""

@@ -7,7 +7,10 @@ which unpickle them, can import them by name.
 from __future__ import annotations
 
 import os
+import pickle
 import random
+import struct
+import subprocess
 import threading
 from pathlib import Path
 from typing import Any
@@ -54,6 +57,53 @@ class LockedLedgerEnv(LedgerEnv):
     def __init__(self) -> None:
         super().__init__()
         self.lock = threading.Lock()
+
+
+class ShellLedgerEnv(LedgerEnv):
+    """A LedgerEnv that runs what a hostile policy could make an env run.
+
+    ``fds`` runs a shell (passing every inheritable descriptor, as ``os.system`` or a pty
+    would) that lists the descriptors it holds, as the observation; ``forge:PATH`` writes a
+    framed pickle that would run ``touch PATH`` to every socket this process holds (its
+    branch socket), then steps as usual.
+    """
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if action == "fds":
+            shell = ["bash", "-c", "ls -l /proc/self/fd"]
+            listing = subprocess.run(shell, capture_output=True, text=True, close_fds=False)
+            return listing.stdout, 0.0, False, False, {}
+        if action.startswith("forge:"):
+            forged = pickle.dumps(("ok", TouchOnLoad(action.split(":", 1)[1])))
+            for fd in _socket_fds():
+                os.write(fd, struct.pack("!Q", len(forged)) + forged)
+        return super().step(action)
+
+
+class TouchOnLoad:
+    """Unpickling it runs ``touch PATH``: what an attacker writes to a control socket."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return os.system, (f"touch {self.path}",)
+
+
+def _socket_fds() -> list[int]:
+    fds = []
+    for entry in Path("/proc/self/fd").iterdir():
+        try:
+            if os.readlink(entry).startswith("socket:"):
+                fds.append(int(entry.name))
+        except OSError:
+            continue
+    return fds
+
+
+def shell_ledger_env() -> TextEnvironment:
+    """A forkable Environment over one ShellLedgerEnv per episode."""
+    return from_text_env(ShellLedgerEnv, name="shell-ledger")
 
 
 class MarkedEnvironment(TextEnvironment):
@@ -140,10 +190,13 @@ __all__ = [
     "LedgerEnv",
     "LockedLedgerEnv",
     "MarkedEnvironment",
+    "ShellLedgerEnv",
     "State",
+    "TouchOnLoad",
     "children_of",
     "dice_value",
     "ledger_env",
     "live_pids",
     "marked_env",
+    "shell_ledger_env",
 ]

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agile_llmenvs.branching._wire import receive, receive_socket, send
+from agile_llmenvs.branching._wire import WireRefusedError, loads, receive, receive_socket, send
 from agile_llmenvs.errors import BranchError
 
 __all__ = ["main", "serve"]
@@ -115,6 +115,9 @@ class _Process:
                     op, args = receive(self.sock)
                 except (EOFError, OSError):
                     break
+                except WireRefusedError as exc:  # read whole: the stream is still framed
+                    send(self.sock, ("error", exc))
+                    continue
                 try:
                     reply = ("ok", self.handle(op, args))
                 except _Forked:
@@ -165,7 +168,11 @@ def _exited_within(pid: int, timeout_s: float) -> bool:
 
 
 def _load(payload: bytes) -> tuple[Any, Any]:
-    """The env a checkpoint shipped, and its state: pickled whole, or rebuilt by replay."""
+    """The env a checkpoint shipped, and its state: pickled whole, or rebuilt by replay.
+
+    The one full unpickling of the branch tree: ``payload`` comes from the manager (an
+    ``adopt`` request to the zygote), never from a branch.
+    """
     kind, *rest = pickle.loads(payload)
     if kind == "env":
         env, state = rest
@@ -182,9 +189,11 @@ def _load(payload: bytes) -> tuple[Any, Any]:
 
 
 def _portable(exc: BaseException) -> BaseException:
-    """``exc`` if it survives pickling, else a RuntimeError carrying its text."""
+    """``exc`` if it survives pickling and the wire carries it back (see
+    :class:`~agile_llmenvs.branching._wire.WireUnpickler`), else a RuntimeError carrying
+    its text."""
     try:
-        pickle.loads(pickle.dumps(exc))
+        loads(pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL))
     except Exception:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
     return exc
@@ -221,7 +230,9 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the manager's process decides when to stop
     code = 0
     try:
-        serve(socket.socket(fileno=int(sys.argv[1])), None)
+        fd = int(sys.argv[1])
+        os.set_inheritable(fd, False)  # passed with pass_fds, so inheritable until now
+        serve(socket.socket(fileno=fd), None)
     except BaseException:
         code = 1
     finally:

@@ -21,7 +21,7 @@ from typing import Any
 
 import cloudpickle
 
-from agile_llmenvs.branching._wire import receive, send, send_socket
+from agile_llmenvs.branching._wire import WireRefusedError, receive, send, send_socket, socketpair
 from agile_llmenvs.branching.checkpoint import Checkpoint
 from agile_llmenvs.core.types import Action, Environment, EnvironmentSpec, State, StepResult
 from agile_llmenvs.errors import BranchError
@@ -40,6 +40,7 @@ class _Node:
         self._lock = threading.Lock()
 
     def call(self, op: str, *args: Any, handover: socket.socket | None = None) -> Any:
+        refused: WireRefusedError | None = None
         with self._lock:
             if self.closed:
                 raise BranchError(f"branch process {self.pid} was released or closed")
@@ -50,13 +51,21 @@ class _Node:
                 status, value = receive(self.sock)
             except (EOFError, OSError) as exc:
                 raise BranchError(f"branch process {self.pid} is gone: {exc}") from exc
+            except WireRefusedError as exc:  # not its reply: something else wrote to it
+                refused = exc
+        if refused is not None:
+            self.close()
+            raise WireRefusedError(
+                f"branch process {self.pid} sent a message the manager refuses, so the branch "
+                f"is closed: {refused}"
+            ) from None
         if status == "error":
             raise value
         return value
 
     def spawn(self, op: str, *args: Any) -> tuple[socket.socket, int, Any]:
         """Have this process fork a child serving a new socket; returns the child's greeting."""
-        mine, theirs = socket.socketpair()
+        mine, theirs = socketpair()
         try:
             pid = self.call(op, *args, handover=theirs)
         except BaseException:
@@ -66,9 +75,13 @@ class _Node:
             theirs.close()
         try:
             status, greeting = receive(mine)
-        except (EOFError, OSError) as exc:
+        except (EOFError, OSError, WireRefusedError) as exc:
             mine.close()
             self.reap(pid)
+            if isinstance(exc, WireRefusedError):
+                raise WireRefusedError(
+                    f"branch process {pid} sent a greeting the manager refuses: {exc}"
+                ) from None
             raise BranchError(f"branch process {pid} died while starting: {exc}") from exc
         if status == "error":
             mine.close()
@@ -96,7 +109,9 @@ class ForkedEnvironment(_Node):
     """An :class:`Environment` living in a forked process, driven over a socket.
 
     It is what ``ProcessFork`` branches hand out. It forwards ``reset``, ``step`` and
-    ``release`` (errors the env raises come back as the same exception types), and
+    ``release`` (errors the env raises come back as the same exception types when the
+    branching wire carries them: Python's and agile_llmenvs' own; others as ``RuntimeError``
+    with their text), and
     ``close`` ends the process. A :class:`~agile_llmenvs.branching.BranchManager` over it
     forks its process for nested checkpoints.
     """
@@ -143,7 +158,7 @@ class _Zygote(_Node):
 
     @classmethod
     def start(cls) -> _Zygote:
-        mine, theirs = socket.socketpair()
+        mine, theirs = socketpair()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         # Large allocations on transparent huge pages: a fork then copies one page-table

@@ -101,6 +101,11 @@ class RemoteEnvClient:
         eval_tasks: Sequence[Mapping[str, Any]] | None = None,
         token: str | None = None,
     ) -> None:
+        if token is not None and not token:
+            raise ValueError(
+                "token is empty: it would send no credentials at all; pass the server's secret, "
+                "or token=None for a server without authentication"
+            )
         self.base_url = base_url
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s

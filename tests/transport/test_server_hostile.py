@@ -15,7 +15,7 @@ from serving import ServedProcess
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from agile_llmenvs.transport import OpenEnvServer, ServerSettings
+from agile_llmenvs.transport import OpenEnvServer, RemoteEnvClient, ServerSettings
 from agile_llmenvs.transport.calls import WARMUP_CALLS
 from agile_llmenvs.transport.server import DEFAULT_MAX_SESSIONS
 
@@ -160,6 +160,8 @@ def test_the_default_capacity_is_bounded_and_an_empty_token_is_refused() -> None
         assert shared.host_sessions.max_sessions == 1
     with pytest.raises(ValueError, match="token is empty: an empty token would accept every"):
         OpenEnvServer(make_env=EchoEnv, token="")
+    with pytest.raises(ValueError, match="token is empty: it would send no credentials at all"):
+        RemoteEnvClient("http://127.0.0.1:1", token="")
 
 
 def test_settings_refuse_non_positive_bounds() -> None:

@@ -74,6 +74,15 @@ _MEMORY = "Qwen2.5-0.5B width, 4 layers, 1,024 tokens, CPU fp32:"
 _STEP = "GRPO step of the quick start (8 groups x 8, 8 tokens), median"
 
 FIGURES: dict[str, tuple[Figure, ...]] = {
+    "terminal_redteam": (
+        Figure(
+            "escaped",
+            "hostile policies that escaped the terminal env's sandbox",
+            unit="",
+            target=_at_most(0.0),
+            detail="of {policies}",
+        ),
+    ),
     "branching": (
         Figure(
             "fork_500mb_over_10mb",

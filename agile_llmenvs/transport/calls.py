@@ -80,8 +80,7 @@ class CallPolicy:
             if strikes >= DEMOTE_STRIKES:
                 self._demoted.add(env_class)
                 logger.info(
-                    "%s: %d calls in a row over %.1f ms; the server no longer waits for its "
-                    "calls",
+                    "%s: %d calls in a row over %.1f ms; the server no longer waits for its calls",
                     env_class.__name__,
                     strikes,
                     self.demote_after_s * 1e3,

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from agile_llmenvs.errors import EnvBuildError
 from agile_llmenvs.specs import EnvServiceSpec, LLMEnvSpec
 
-__all__ = ["DEFAULT_READY_TIMEOUT_S", "HOST_INDEX_VAR", "HostConfig"]
+__all__ = ["DEFAULT_READY_TIMEOUT_S", "HOST_INDEX_VAR", "LOOPBACK", "HostConfig"]
 
 #: Seconds a host may take to start when ``env_host_ready_timeout_s`` is unset.
 DEFAULT_READY_TIMEOUT_S = 120.0
 #: Environment variable holding a host's index (0-based) in its pool, set on every host.
 HOST_INDEX_VAR = "AGILE_LLMENVS_ENV_HOST"
+#: The interface hosts bind under ``env_host_bind: loopback`` (the default).
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class HostConfig:
             ``base + i * sessions_per_host + k`` as its env's ``session_ports`` argument.
         token: Shared secret the hosts require from clients.
         max_restarts: Restarts Ray grants each host after its process dies (-1: unlimited).
+        bind: Interface each host's server binds: ``"loopback"`` (127.0.0.1: only its own
+            node reaches it) or ``"node"`` (the node's address, reachable across the cluster).
     """
 
     entrypoint: str
@@ -65,6 +69,7 @@ class HostConfig:
     session_ports: dict[str, int] = field(default_factory=dict)
     token: str = field(default_factory=lambda: secrets.token_urlsafe(16), repr=False)
     max_restarts: int = -1
+    bind: Literal["loopback", "node"] = "loopback"
 
     def __post_init__(self) -> None:
         if self.session_ports and self.sessions_per_host is None:
@@ -120,7 +125,12 @@ class HostConfig:
             env_vars=dict(spec.env_vars),
             port=spec.env_port,
             session_ports=dict(spec.env_session_ports),
+            bind=spec.env_host_bind,
         )
+
+    def bind_host(self, node_ip: str) -> str:
+        """The interface a host on the node at ``node_ip`` binds."""
+        return LOOPBACK if self.bind == "loopback" else node_ip
 
     def port_of(self, index: int) -> int:
         """The port host ``index`` listens on (0: any free port)."""

@@ -54,6 +54,10 @@ class EnvHost:
     """One env host: sidecar services, then an :class:`OpenEnvServer` serving a fresh env
     per ``/ws`` session, at most ``sessions_per_host`` at once.
 
+    The server binds loopback (``config.bind == "loopback"``, the default: processes on the
+    same node only) or the node's own address (``"node"``), never every interface; its URL
+    is the address it binds.
+
     Before the host reports ready it builds (and closes) one env, so an entrypoint that
     cannot be imported or built fails at startup, on the host, with its own error.
 
@@ -75,11 +79,10 @@ class EnvHost:
             node_ip = _node_ip()
             self.server = OpenEnvServer(
                 make_env=self.sessions,
-                host="0.0.0.0",
+                host=config.bind_host(node_ip),  # never every interface
                 port=config.port_of(index),
                 env_name=config.entrypoint,
                 max_concurrent_envs=config.sessions_per_host,
-                advertise_host=node_ip,
                 token=config.token,
             )
         except BaseException:

@@ -226,6 +226,11 @@ class EnvHostPool:
                 raise EnvBuildError(
                     f"env host {host.index} of {len(self._hosts)} failed to start: {_cause(exc)}"
                 ) from exc
+            unreachable = self._unreachable(host.info)
+            if unreachable:
+                raise EnvBuildError(
+                    f"env_host_bind: env host {host.index} of {len(self._hosts)} {unreachable}"
+                )
             host.state = HostState.READY
 
     def _recover(self, host: _Host) -> None:
@@ -254,8 +259,29 @@ class EnvHostPool:
                     return
                 time.sleep(0.1)
             else:
-                self._mark_ready(host, info)
+                unreachable = self._unreachable(info)
+                if unreachable:
+                    self._mark_dead(host, f"after its restart it {unreachable}")
+                    with contextlib.suppress(Exception):
+                        ray.kill(host.actor, no_restart=True)
+                else:
+                    self._mark_ready(host, info)
                 return
+
+    def _unreachable(self, info: HostInfo) -> str:
+        """Why this process cannot reach a host bound to loopback on another node ("": it
+        can)."""
+        if self.config.bind != "loopback":
+            return ""
+        here = str(ray_module().util.get_node_ip_address())
+        if info.node_ip == here:
+            return ""
+        return (
+            f"runs on the node at {info.node_ip} and binds loopback, so only processes on that "
+            f"node reach it, and this one runs on {here}; set env_host_bind: node to serve "
+            "sessions across nodes (they still need the pool's token), or place the hosts on "
+            "this node (env_host_resource)"
+        )
 
     def _mark_ready(self, host: _Host, info: HostInfo) -> None:
         with self._cond:

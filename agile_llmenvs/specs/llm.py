@@ -25,6 +25,7 @@ HOSTING_FIELDS = (
     "env_host_ready_timeout_s",
     "env_services",
     "env_host_resource",
+    "env_host_bind",
     "env_vars",
 )
 #: Fields that pick the rows of a dataset source; at most one is set.
@@ -186,6 +187,13 @@ class LLMEnvSpec(BaseModel):
     )
     env_host_resource: str | None = Field(
         None, min_length=1, description="Custom Ray resource each env host requires."
+    )
+    env_host_bind: Literal["loopback", "node"] = Field(
+        "loopback",
+        description="Interface each env host's server binds: `loopback` (127.0.0.1, the "
+        "default: only processes on the host's own node reach it, which suits a single-node "
+        "cluster) or `node` (the node's address, reachable across the cluster, so hosts on "
+        "other nodes can serve this process; sessions still need the pool's token).",
     )
     env_vars: dict[str, str] = Field(
         default_factory=dict,

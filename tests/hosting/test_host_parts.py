@@ -63,6 +63,10 @@ def test_defaults_of_a_spec_with_one_hosting_field() -> None:
     assert (config.num_hosts, config.sessions_per_host, config.cpus) == (1, None, 1.0)
     assert config.ready_timeout_s == 120.0
     assert config.port_of(0) == 0  # any free port
+    assert config.bind == "loopback"  # bound to 127.0.0.1 unless the manifest says `node`
+    assert config.bind_host("10.0.0.7") == "127.0.0.1"
+    node = LLMEnvSpec(env_type="rollout", entrypoint="pkg.env:MyEnv", env_host_bind="node")
+    assert HostConfig.from_spec(node).bind_host("10.0.0.7") == "10.0.0.7"
     assert config.actor_options(0) == {
         "num_cpus": 1.0,
         "max_restarts": -1,

@@ -267,8 +267,7 @@ def test_resources_env_vars_services_and_ports_reach_the_host(
         for harness in harnesses[:2]:
             harness.reset(row_index=0)
             infos.append(harness.info)
-        node_ip = factory.pool.status()[0].info.node_ip  # type: ignore[union-attr]
-        assert harnesses[0].client.url == f"ws://{node_ip}:{env_port}/ws"
+        assert harnesses[0].client.url == f"ws://127.0.0.1:{env_port}/ws"  # loopback
         for info in infos:
             assert info["environ"] == {"MODE": "fast", HOST_INDEX_VAR: "0"}
             assert info["resources"] == {"CPU": 0.5, "memory": 64.0 * 2**20, "sandbox": 1.0}
@@ -276,7 +275,7 @@ def test_resources_env_vars_services_and_ports_reach_the_host(
         assert sorted(i["session_ports"]["vnc"] for i in infos) == [5900, 5901]
         with pytest.raises(EnvCapacityError, match="serves its env_sessions_per_host=2"):
             harnesses[2].reset(row_index=0)
-        stranger = RemoteEnvClient(harnesses[0].client.url)  # hosts bind every interface
+        stranger = RemoteEnvClient(harnesses[0].client.url)  # a process without the token
         with pytest.raises(EnvAuthError, match=r"refused the session \(HTTP 403\)"):
             stranger.reset()
         ray.kill(factory.pool.actor(0), no_restart=True)  # services die with their host
@@ -301,6 +300,52 @@ def test_a_host_over_its_memory_limit_is_restarted(ray_cluster: None) -> None:
         new_pid = client.reset(row_index=3).metadata["pid"]  # on the restarted host
         assert new_pid != old_pid
         assert pool.status()[0].state is HostState.READY
+
+
+@pytest.mark.parametrize("bind", ["loopback", "node"])
+def test_hosts_bind_loopback_unless_the_manifest_asks_for_the_node(
+    ray_cluster: None, tokenizer: Any, bind: str
+) -> None:
+    fields = {} if bind == "loopback" else {"env_host_bind": "node"}
+    spec = LLMEnvSpec(
+        env_type="rollout", entrypoint="host_envs:HostEnv", cpus_per_env_host=0.5, **fields
+    )
+    factory, _ = make_rollout_env_factory(spec, tokenizer)
+    assert isinstance(factory, HostedHarnessFactory)
+    try:
+        info = factory.pool.status()[0].info
+        assert info is not None
+        port = int(info.url.rsplit(":", 1)[1])
+        address = "127.0.0.1" if bind == "loopback" else info.node_ip
+        listening = {
+            (conn.laddr.ip, conn.laddr.port)
+            for conn in psutil.Process(info.pid).net_connections(kind="inet")
+            if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port
+        }
+        assert listening == {(address, port)}  # never 0.0.0.0
+        assert info.url == f"http://{address}:{port}"
+        harness = factory()  # and the address it advertises is the one a client dials
+        harness.reset(row_index=1)
+        assert harness.client.url == f"ws://{address}:{port}/ws"
+    finally:
+        factory.close()
+
+
+def test_a_loopback_host_on_another_node_fails_the_build(
+    ray_cluster: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.255.0.1")  # the driver's
+    config = HostConfig(entrypoint="host_envs:HostEnv", cpus=0.5)
+    with pytest.raises(EnvBuildError) as raised:
+        EnvHostPool(config)
+    node_ip = re.search(r"runs on the node at (\S+) and", str(raised.value))
+    assert node_ip is not None
+    assert str(raised.value) == (
+        f"env_host_bind: env host 0 of 1 runs on the node at {node_ip[1]} and binds loopback, "
+        "so only processes on that node reach it, and this one runs on 10.255.0.1; set "
+        "env_host_bind: node to serve sessions across nodes (they still need the pool's "
+        "token), or place the hosts on this node (env_host_resource)"
+    )
 
 
 def _wait_for(condition: Callable[[], bool], timeout_s: float = 15.0) -> bool:

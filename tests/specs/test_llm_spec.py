@@ -160,6 +160,7 @@ HOSTING_VALUES: dict[str, Any] = {
     "env_host_ready_timeout_s": 30.0,
     "env_services": [{"name": "db", "image": "redis"}],
     "env_host_resource": "sandbox",
+    "env_host_bind": "node",
     "env_vars": {"MODE": "fast"},
 }
 

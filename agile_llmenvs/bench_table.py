@@ -121,6 +121,21 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
             detail="{ours.steps_per_s_64} vs {openenv.steps_per_s_64}",
         ),
     ),
+    "slow_neighbour": (
+        Figure(
+            "auto_neighbour_max_ms",
+            "another session's slowest step while one env call takes 1 s (default "
+            "`env_calls=auto`)",
+            unit=" ms",
+            target=_at_most(20.0),
+            detail="quiet p50 {auto_quiet_p50_ms} ms",
+        ),
+        Figure(
+            "inline_neighbour_max_ms",
+            "same, with the call on the event loop (`env_calls=inline`, reference)",
+            unit=" ms",
+        ),
+    ),
     "harness_turn": (
         Figure("turn_1_over_floor", f"{_HARNESS} 1", target=_at_most(1.5)),
         Figure("turn_16_over_floor", f"{_HARNESS} 16", target=_at_most(1.5)),

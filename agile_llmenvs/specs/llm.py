@@ -304,7 +304,14 @@ class LLMEnvSpec(BaseModel):
         return found
 
     def _check_hosting(self) -> None:
-        hosted = [f for f in HOSTING_FIELDS if f in self.model_fields_set and getattr(self, f)]
+        defaults = type(self).model_fields  # a default such as env_host_bind's places nothing
+        hosted = [
+            f
+            for f in HOSTING_FIELDS
+            if f in self.model_fields_set
+            and getattr(self, f)
+            and getattr(self, f) != defaults[f].default
+        ]
         if hosted and self.entrypoint is None and self.env_image is None:
             raise fail(
                 hosted[0],

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from agile_llmenvs.errors import ManifestError
+from agile_llmenvs.errors import AgileLLMEnvsError, ManifestError
 
 __all__ = ["main"]
 
@@ -95,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="agile-llmenvs", description="The environment layer of LLM reinforcement learning."
     )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     validate = commands.add_parser("validate", help="check run manifests (YAML or JSON)")
     validate.add_argument("files", nargs="+", type=Path, metavar="FILE")
@@ -126,13 +127,42 @@ def _parser() -> argparse.ArgumentParser:
     from agile_llmenvs.bench_command import register as register_bench
 
     register_bench(commands)
+    for command in commands.choices.values():  # --debug after the command works too
+        command.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+        )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the process exit status."""
-    args = _parser().parse_args(argv)
-    return int(args.run(args))
+    """Run the command line; returns the process exit status.
+
+    A user's mistake (a bad manifest, argument, file or setting) prints one line naming it
+    and exits 2; ``--debug`` (before or after the command) shows the traceback instead.
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (AgileLLMEnvsError, ValidationError, ValueError, OSError) as exc:
+        if args.debug:
+            raise
+        print(f"error: {_one_line(exc)} (--debug shows the traceback)", file=sys.stderr)
+        return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    """What went wrong, in one line: a validation error's first problem by field."""
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "(input)"
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        return f"{where}: {first['msg']}{more}"
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if isinstance(exc, AgileLLMEnvsError) else f"{type(exc).__name__}: {text}"
 
 
 if __name__ == "__main__":

@@ -78,3 +78,21 @@ def test_console_script_and_module_run_as_processes() -> None:
         )
         assert done.returncode == 2
         assert "invalid choice: 'bogus'" in done.stderr
+
+
+def test_a_users_mistake_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "echo_envs:EchoEnv", "--port", "0", "--token", ""]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: ValueError: token is empty: an empty token would accept every client; pass a "
+        "secret, or token=None to serve without authentication (--debug shows the traceback)\n"
+    )
+
+
+def test_debug_shows_the_traceback_before_or_after_the_command() -> None:
+    for argv in (
+        ["--debug", "serve", "echo_envs:EchoEnv", "--port", "0", "--token", ""],
+        ["serve", "echo_envs:EchoEnv", "--port", "0", "--token", "", "--debug"],
+    ):
+        with pytest.raises(ValueError, match="token is empty"):
+            main(argv)

@@ -235,7 +235,7 @@ class ChatFramer:
     def turn_ids(
         self,
         completion_ids: Sequence[int],
-        observations: Sequence[Message] | str,
+        observations: Sequence[Message],
         *,
         system: bool = False,
     ) -> list[int] | None:
@@ -244,8 +244,6 @@ class ChatFramer:
 
         None when appending cannot equal the template's rendering (see :meth:`frame`).
         """
-        if isinstance(observations, str):
-            observations = [{"role": "user", "content": observations}]
         if not observations:
             raise ValueError("turn_ids needs at least one observation message")
         role = str(observations[0]["role"])
@@ -262,12 +260,7 @@ class ChatFramer:
             text = self._rendered_turn(observations, system)
         if text is None:
             return None
-        if self._anchor is None:
-            return self.encode(text)[self._skip(completion_ids, frame) :]
-        ids = self.encode(self._anchor[0] + text)  # as encode_continuation, in one slice
-        if ids[:1] != [self._anchor[1]]:
-            return self.encode(text)[self._skip(completion_ids, frame) :]
-        return ids[1 + self._skip(completion_ids, frame) :]
+        return self.encode_continuation(text)[self._skip(completion_ids, frame) :]
 
     def end_of_turn_ids(self) -> tuple[int, ...]:
         """The ids that end an assistant turn in this template, through its first special
@@ -277,6 +270,13 @@ class ChatFramer:
             self._cache["end_of_turn"] = self._end_of_turn()
         ids: tuple[int, ...] = self._cache["end_of_turn"]
         return ids
+
+    @property
+    def content_gap(self) -> str:
+        """Spaces the template puts between the generation prompt and an assistant's content
+        (Llama-2's ``' ' + content``): the start of what the model samples."""
+        turn = self._assistant_turn()
+        return "" if turn is None else turn[0]
 
     @property
     def reasoning(self) -> tuple[str, str] | None:
@@ -386,32 +386,36 @@ class ChatFramer:
         special: frozenset[int] = self._cache["special_ids"]
         return special
 
-    @property
-    def content_gap(self) -> str:
-        """Spaces the template puts between the generation prompt and an assistant's content
-        (Llama-2's ``' ' + content``): the start of what the model samples."""
-        self.end_of_turn_ids()
-        gap: str = self._cache["content_gap"]
-        return gap
+    def _assistant_turn(self) -> tuple[str, str] | None:
+        """``(gap, close)`` of one assistant turn after a user message: the spaces before
+        its content and the text after it (None: no template, or it cannot render one)."""
+        if "assistant_turn" not in self._cache:
+            self._cache["assistant_turn"] = self._render_assistant_turn()
+        turn: tuple[str, str] | None = self._cache["assistant_turn"]
+        return turn
 
-    def _end_of_turn(self) -> tuple[int, ...]:
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        fallback = () if eos is None else (int(eos),)
-        self._cache["content_gap"] = ""
+    def _render_assistant_turn(self) -> tuple[str, str] | None:
         if not self.use_template or not self._has_template:
-            return fallback
+            return None
         try:
             user = [{"role": "user", "content": _U}]
             prompt = self.render(user, generation=True)
             closed = self.render([*user, {"role": "assistant", "content": _A1}], generation=False)
         except Exception:
-            return fallback
+            return None
         if closed.count(_A1) != 1:
-            return fallback
+            return None
         start = closed.index(_A1)
         gap = closed[len(prompt) : start] if closed.startswith(prompt) else ""
-        self._cache["content_gap"] = gap if not gap.strip(" ") else ""
-        close = self.encode_continuation(closed[start + len(_A1) :])
+        return (gap if not gap.strip(" ") else ""), closed[start + len(_A1) :]
+
+    def _end_of_turn(self) -> tuple[int, ...]:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        fallback = () if eos is None else (int(eos),)
+        turn = self._assistant_turn()
+        if turn is None:
+            return fallback
+        close = self.encode_continuation(turn[1])
         special = self._special_ids()
         first = next((i for i, token in enumerate(close) if token in special), None)
         return fallback if first is None else tuple(close[: first + 1])

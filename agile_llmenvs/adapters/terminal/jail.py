@@ -45,6 +45,7 @@ __all__ = [
     "read_until",
     "run_jailed",
     "start_jailed",
+    "wait_until",
 ]
 
 SANDBOX_MODES = ("bubblewrap", "none")
@@ -251,7 +252,7 @@ def start_jailed(
         raise EnvBuildError(f"cannot start bwrap: {exc}: {_FIX}") from exc
     os.close(write_fd)
     try:
-        raw, _ = read_until(read_fd, time.monotonic() + _START_TIMEOUT_S, lambda _: False)
+        raw, _ = read_until(read_fd, time.monotonic() + _START_TIMEOUT_S)
     finally:
         os.close(read_fd)
     try:
@@ -261,7 +262,7 @@ def start_jailed(
         _stop_outer(process)
         output = b""
         if process.stdout is not None:
-            output, _ = read_until(process.stdout.fileno(), time.monotonic() + 1, lambda _: False)
+            output, _ = read_until(process.stdout.fileno(), time.monotonic() + 1)
             process.stdout.close()
         if process.stdin is not None:
             process.stdin.close()
@@ -271,17 +272,14 @@ def start_jailed(
 
 
 def read_until(
-    fd: int, deadline: float, done: object, alive: subprocess.Popen[bytes] | None = None
+    fd: int, deadline: float, alive: subprocess.Popen[bytes] | None = None
 ) -> tuple[bytes, bool]:
-    """Read ``fd`` until ``done(data)`` holds, end of file, ``alive`` exits, or ``deadline``.
+    """Read ``fd`` until end of file, ``alive`` exits, or ``deadline``.
 
     Returns ``(data, finished)``: ``finished`` is False when the deadline came first.
     """
     data = bytearray()
-    check = done if callable(done) else (lambda _: False)
     while True:
-        if check(data):
-            return bytes(data), True
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return bytes(data), False
@@ -303,15 +301,16 @@ def run_jailed(spec: JailSpec, command: Sequence[str], timeout_s: float) -> tupl
     assert jailed.process.stdout is not None
     try:
         deadline = time.monotonic() + timeout_s
-        data, _ = read_until(jailed.process.stdout.fileno(), deadline, None, jailed.process)
-        code = _wait_until(jailed.process, deadline)
+        data, _ = read_until(jailed.process.stdout.fileno(), deadline, jailed.process)
+        code = wait_until(jailed.process, deadline)
     finally:
         jailed.kill()
         jailed.process.stdout.close()
     return code, data.decode("utf-8", errors="replace")
 
 
-def _wait_until(process: subprocess.Popen[bytes], deadline: float) -> int | None:
+def wait_until(process: subprocess.Popen[bytes], deadline: float) -> int | None:
+    """``process``'s exit status, waiting until ``deadline`` at most (None: still running)."""
     try:
         return process.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -329,7 +328,7 @@ def kill_and_confirm(process: subprocess.Popen[bytes], init_pid: int, pid_namesp
         with contextlib.suppress(ProcessLookupError):
             os.kill(init_pid, signal.SIGKILL)
     deadline = time.monotonic() + _KILL_TIMEOUT_S
-    if _wait_until(process, deadline) is None:
+    if wait_until(process, deadline) is None:
         _stop_outer(process)
     while True:
         left = _pids_in_namespace(pid_namespace)

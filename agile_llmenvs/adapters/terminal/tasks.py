@@ -41,6 +41,7 @@ from agile_llmenvs.adapters.terminal.jail import (
     jail_uid,
     read_until,
     run_jailed,
+    wait_until,
 )
 from agile_llmenvs.adapters.terminal.sandbox import Verdict
 from agile_llmenvs.adapters.terminal.shell import CommandResult, ShellSession
@@ -323,11 +324,8 @@ def _run_script(
     assert process.stdout is not None
     deadline = time.monotonic() + timeout_s
     try:
-        out, _ = read_until(process.stdout.fileno(), deadline, None, process)
-        try:
-            code: int | None = process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            code = None
+        out, _ = read_until(process.stdout.fileno(), deadline, process)
+        code = wait_until(process, deadline)
     finally:
         with contextlib.suppress(ProcessLookupError):  # what the script left running goes too
             os.killpg(process.pid, signal.SIGKILL)

@@ -23,10 +23,19 @@ __all__ = [
     "CallToolObservation",
     "Environment",
     "EnvironmentMetadata",
+    "JsonRpcErrorCode",
+    "JsonRpcRequest",
+    "JsonRpcResponse",
     "ListToolsAction",
+    "ListToolsObservation",
     "Observation",
+    "ResetRequest",
+    "ResetResponse",
     "State",
+    "StepRequest",
+    "StepResponse",
     "deserialize_action",
+    "get_server_tools",
 ]
 
 _PARENTS = ("openenv.core", "openenv.core.env_server")
@@ -69,4 +78,17 @@ EnvironmentMetadata = _types.EnvironmentMetadata
 CallToolAction = _mcp.CallToolAction
 ListToolsAction = _mcp.ListToolsAction
 CallToolObservation = _mcp.CallToolObservation
+ListToolsObservation = _mcp.ListToolsObservation
+JsonRpcErrorCode = _mcp.JsonRpcErrorCode
+JsonRpcRequest = _mcp.JsonRpcRequest
+JsonRpcResponse = _mcp.JsonRpcResponse
+ResetRequest = _types.ResetRequest
+ResetResponse = _types.ResetResponse
+StepRequest = _types.StepRequest
+StepResponse = _types.StepResponse
 deserialize_action = _serialization.deserialize_action
+
+
+def get_server_tools(server: Any) -> Any:
+    """OpenEnv's tools of a FastMCP server (loads ``mcp_environment``, and fastmcp, on use)."""
+    return _load("mcp_environment").get_server_tools(server)

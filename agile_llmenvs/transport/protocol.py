@@ -66,11 +66,17 @@ class CloseMessage(_Message):
     type: Literal["close"]
 
 
+class McpMessage(_Message):
+    type: Literal["mcp"]
+    data: dict[str, Any]
+
+
 IncomingMessage = Annotated[
-    ResetMessage | StepMessage | StateMessage | CloseMessage, Field(discriminator="type")
+    ResetMessage | StepMessage | StateMessage | CloseMessage | McpMessage,
+    Field(discriminator="type"),
 ]
 _INCOMING: TypeAdapter[Any] = TypeAdapter(IncomingMessage)
-_KNOWN_TYPES = ("reset", "step", "state", "close")
+_KNOWN_TYPES = ("reset", "step", "state", "close", "mcp")
 
 
 class WireError(Exception):
@@ -281,6 +287,12 @@ def error_from_wire(data: dict[str, Any], *, url: str) -> errors.EnvError:
     """The typed exception for an ``error`` frame's ``data``."""
     code = str(data.get("code", "UNKNOWN"))
     message = str(data.get("message", "unknown error"))
+    details = data.get("errors")
+    if isinstance(details, list):  # a validation error: say which field and why
+        for error in details:
+            if isinstance(error, dict):
+                where = ".".join(str(part) for part in error.get("loc", ()))
+                message += f"\n{where}\n  {error.get('msg', '')}"
     origin = data.get("error_type")
     where = f" (raised as {origin} in the env)" if origin else ""
     cls = _ERROR_TYPES.get(code, errors.EnvError)

@@ -15,6 +15,8 @@ from websockets.asyncio.server import serve
 from agile_llmenvs._loops import new_event_loop
 from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.transport._openenv import Environment
+from agile_llmenvs.transport.env_types import EnvTypes, infer_env_types
+from agile_llmenvs.transport.http import routing_connection
 from agile_llmenvs.transport.sessions import ServerSettings, SessionHost
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
 
@@ -30,11 +32,16 @@ EnvLike: TypeAlias = Any
 
 
 class OpenEnvServer:
-    """Serve envs over OpenEnv's WebSocket protocol on uvicorn, in a background daemon thread.
+    """Serve envs as OpenEnv's ``create_app`` does, in a background daemon thread.
 
     Pass ``env`` to share one env (one session at a time), or ``make_env`` (+
     ``max_concurrent_envs``) for a fresh env per ``/ws`` session. Plain text envs are wrapped
-    in :class:`OpenEnvWrapper`; OpenEnv ``Environment`` objects are served as they are.
+    in :class:`OpenEnvWrapper` (their steps take the text fast path); any OpenEnv
+    ``Environment`` is served as it is, its actions validated against its own action class.
+
+    Routes, with ``create_app``'s paths and bodies: ``/ws`` sessions (``reset``, ``step``,
+    ``state``, ``close`` and ``mcp`` messages), ``GET /health``, ``/metadata``, ``/schema``,
+    ``/state``, ``POST /reset``, ``/step``, ``/mcp``; and our ``GET /sessions``.
 
     Args:
         env: A single shared local env. Exactly one of ``env`` / ``make_env``.
@@ -49,10 +56,16 @@ class OpenEnvServer:
         token: Shared secret clients must present (OpenEnv itself has no authentication);
             an empty one is refused.
         settings: Timeouts, keep-alive and message limits.
+        action_cls: The env's action class, as ``create_app`` takes it. Default: the env's
+            ``step`` annotation (``ACTION_CLS`` if it sets one), else OpenEnv's ``Action``.
+        observation_cls: The env's observation class (default: ``step``'s return
+            annotation), published in ``/schema``.
+        state_cls: The env's state class (default: the ``state`` property's annotation).
 
     Raises:
         ValueError: both or neither of ``env``/``make_env``, ``max_concurrent_envs > 1``
             with a shared ``env``, or an empty ``token``.
+        TypeError: a given class is not OpenEnv's ``Action`` / ``Observation`` / ``State``.
     """
 
     def __init__(
@@ -67,6 +80,9 @@ class OpenEnvServer:
         advertise_host: str | None = None,
         token: str | None = None,
         settings: ServerSettings | None = None,
+        action_cls: type | None = None,
+        observation_cls: type | None = None,
+        state_cls: type | None = None,
     ) -> None:
         if (env is None) == (make_env is None):
             raise ValueError("OpenEnvServer needs exactly one of `env` or `make_env`")
@@ -80,6 +96,16 @@ class OpenEnvServer:
         if max_concurrent_envs is not None and max_concurrent_envs < 1:
             raise ValueError(f"max_concurrent_envs must be >= 1, got {max_concurrent_envs}")
         settings = settings or ServerSettings()
+        given = {
+            k: v
+            for k, v in (
+                ("action_cls", action_cls),
+                ("observation_cls", observation_cls),
+                ("state_cls", state_cls),
+            )
+            if v is not None
+        }
+        shared: Environment | None = None
         if env is not None:
             shared = _as_environment(env, env_name, owns=False)
             build: Callable[[], Environment] = lambda: shared  # noqa: E731
@@ -97,6 +123,8 @@ class OpenEnvServer:
             token=token,
             settings=settings,
             owns_envs=env is None,
+            types=_known_types(shared if env is not None else None, make_env, given),
+            given_types=given,
         )
         self.settings = settings
         self._socket = _bind(host, port)
@@ -174,9 +202,13 @@ class OpenEnvServer:
             ping_timeout=settings.ws_ping_timeout_s,
             max_size=4 * settings.max_message_bytes,
             close_timeout=2.0,
+            create_connection=routing_connection(
+                self.host_sessions.answer_http, settings.max_message_bytes
+            ),
         ):
             self._started.set()
             await self._stop.wait()
+            await self.host_sessions.routes.close_all()
 
 
 class _Fresh:
@@ -194,6 +226,18 @@ def _as_environment(env: EnvLike, env_name: str | None, *, owns: bool) -> Enviro
     if isinstance(env, Environment):
         return env
     return OpenEnvWrapper(env, env_name=env_name, owns_inner=owns)
+
+
+def _known_types(
+    shared: Environment | None, make_env: Any, given: dict[str, type]
+) -> EnvTypes | None:
+    """The wire types when they are known before a session: a shared env's, or those of an
+    env class passed as the factory; otherwise None (the first env built tells)."""
+    if shared is not None:
+        return infer_env_types(shared, **given)
+    if isinstance(make_env, type) and issubclass(make_env, Environment):
+        return infer_env_types(make_env, **given)
+    return None
 
 
 def _name_of(env: Any) -> str:

@@ -25,6 +25,7 @@ from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from pydantic import ValidationError
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
@@ -32,7 +33,10 @@ from websockets.http11 import Request, Response
 
 from agile_llmenvs.transport._openenv import Environment, deserialize_action
 from agile_llmenvs.transport.calls import CallMode, CallPolicy
+from agile_llmenvs.transport.env_types import EnvTypes, infer_env_types
 from agile_llmenvs.transport.fast_lane import FastLane
+from agile_llmenvs.transport.http import HttpRequest, HttpResponse
+from agile_llmenvs.transport.mcp import parse_rpc
 from agile_llmenvs.transport.protocol import (
     ErrorCode,
     WireError,
@@ -42,6 +46,7 @@ from agile_llmenvs.transport.protocol import (
     parse_message,
     state_frame,
 )
+from agile_llmenvs.transport.routes import HttpRoutes, open_mcp_session
 from agile_llmenvs.transport.types import TextAction
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
 
@@ -100,15 +105,19 @@ class ServerSettings:
 
 
 class SessionHost:
-    """Runs ``/ws`` sessions (and answers ``GET /health`` and ``GET /metadata``).
+    """Runs ``/ws`` sessions, and answers the HTTP routes (:class:`HttpRoutes`).
 
     Args:
         make_env: Builds the OpenEnv ``Environment`` of one session.
-        env_name: Name reported by ``/metadata``.
+        env_name: Name reported by ``/sessions``.
         max_sessions: Live sessions allowed at once (None: unlimited).
-        token: Shared secret a client must present (``Authorization: Bearer``, or ``?token=``).
+        token: Shared secret a client must present (``Authorization: Bearer``, or ``?token=``)
+            on every route but ``/health``.
         settings: Timeouts and limits.
         owns_envs: Close each session's env when the session ends (False for a shared env).
+        types: The env's wire types, when known before any env is built.
+        given_types: Classes the server was told (``action_cls`` and the like): they win over
+            what an env's annotations say.
     """
 
     def __init__(
@@ -120,8 +129,12 @@ class SessionHost:
         token: str | None,
         settings: ServerSettings,
         owns_envs: bool = True,
+        types: EnvTypes | None = None,
+        given_types: dict[str, type] | None = None,
     ) -> None:
         self.make_env = make_env
+        self.types = types
+        self.given_types = given_types or {}
         self.env_name = env_name
         self.max_sessions = max_sessions
         self.token = token
@@ -132,6 +145,7 @@ class SessionHost:
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="env-session")
         self.calls = CallPolicy(settings.env_calls)
         self.lane = FastLane()
+        self.routes = HttpRoutes(self)
         if token is not None and not token:
             raise ValueError(
                 "token is empty: an empty token would accept every client; pass a secret, or "
@@ -140,34 +154,68 @@ class SessionHost:
 
     # -- handshake ---------------------------------------------------------------------------
 
-    def process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        """Answer plain HTTP requests and refuse unauthorised or misrouted sessions."""
+    async def process_request(
+        self, connection: ServerConnection, request: Request
+    ) -> Response | None:
+        """Answer ``GET`` routes and refuse unauthorised or misrouted sessions."""
         path = urlsplit(request.path).path.rstrip("/")
-        if path == "/health":
-            return _json_response(HTTPStatus.OK, {"status": "healthy"})
-        if path == "/metadata":
-            return _json_response(
-                HTTPStatus.OK,
-                {
-                    "name": self.env_name,
-                    "active_sessions": self.active_sessions,
-                    "max_sessions": self.max_sessions,
-                },
-            )
-        if path != "/ws":
-            return _json_response(HTTPStatus.NOT_FOUND, {"detail": "Not Found"})
-        if not self._authorized(request):
-            return _json_response(HTTPStatus.FORBIDDEN, {"detail": "missing or wrong token"})
-        return None
+        query = parse_qs(urlsplit(request.path).query)
+        if path != "/health" and not self._authorized(
+            request.headers.get("Authorization", ""), query
+        ):
+            return _response(_FORBIDDEN)
+        if path == "/ws":
+            return None
+        try:
+            answer = await self.routes.get(path)
+        except Exception:
+            logger.exception("GET %s failed", path)
+            answer = HttpResponse(500, "Internal Server Error", text=True)
+        return _response(answer)
 
-    def _authorized(self, request: Request) -> bool:
+    async def answer_http(self, request: HttpRequest) -> HttpResponse:
+        """Answer a plain (non-``GET``) HTTP request: ``POST /reset``, ``/step``, ``/mcp``."""
+        if not self._authorized(request.headers.get("authorization", ""), request.query):
+            return _FORBIDDEN
+        return await self.routes.post(request)
+
+    def _authorized(self, authorization: str, query: dict[str, list[str]]) -> bool:
         if self.token is None:
             return True
-        presented = request.headers.get("Authorization", "")
-        presented = presented[7:] if presented.startswith("Bearer ") else ""
+        presented = authorization[7:] if authorization.startswith("Bearer ") else ""
         if not presented:
-            presented = parse_qs(urlsplit(request.path).query).get("token", [""])[0]
+            presented = query.get("token", [""])[0]
         return hmac.compare_digest(presented.encode(), self.token.encode())
+
+    # -- env calls the routes share ----------------------------------------------------------
+
+    def types_of(self, env: Environment) -> EnvTypes:
+        """The wire types of ``env`` (and, from the first env built, of every session)."""
+        if self.types is None:
+            self.types = infer_env_types(env, **self.given_types)
+        return self.types
+
+    async def build_env(self) -> Environment:
+        """A fresh env from the factory, bounded like any env call."""
+        env: Environment = await self._call_bounded(self.make_env)
+        self.types_of(env)
+        return env
+
+    async def close_env(self, env: Environment) -> None:
+        """Close ``env`` if this host owns its envs; a failing close is logged, not raised."""
+        if self.owns_envs:
+            try:
+                await self._call_bounded(env.close)
+            except (Exception, _Discard) as exc:
+                logger.warning("closing an env failed: %s", exc)
+
+    async def reset(self, env: Environment, kwargs: dict[str, Any]) -> Any:
+        """``env.reset(**kwargs)``, the kwargs it cannot take dropped (as OpenEnv does)."""
+        return await self._call(env, "reset", **_reset_kwargs(env, kwargs))
+
+    async def step(self, env: Environment, action: Any) -> Any:
+        """``env.step(action)`` where the call policy runs env calls."""
+        return await self._call(env, "step", action)
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -186,11 +234,31 @@ class SessionHost:
                 )
                 await ws.close(1013, "at capacity")
             return
+        path = ws.request.path if ws.request is not None else ""
+        session_id = parse_qs(urlsplit(path).query).get("session_id", [""])[0]
+        if session_id:  # a session made over HTTP (OpenEnv's MCPToolClient)
+            await self._attached_session(ws, session_id)
+            return
         self.active_sessions += 1
         try:
             await self._session(ws)
         finally:
             self.active_sessions -= 1
+
+    async def _attached_session(self, ws: ServerConnection, session_id: str) -> None:
+        try:
+            session = self.routes.attach(session_id)
+        except RuntimeError as exc:
+            with contextlib.suppress(ConnectionClosed):
+                await ws.send(error_frame(ErrorCode.SESSION_ERROR, str(exc)))
+                await ws.close(1000)
+            return
+        try:
+            await self._serve(ws, session.env, self.types_of(session.env), None, session_id)
+        except (ConnectionClosed, _Discard):
+            pass
+        finally:
+            await self.routes.detach(session_id)
 
     async def _session(self, ws: ServerConnection) -> None:
         try:
@@ -208,10 +276,12 @@ class SessionHost:
             logger.error("env factory failed: %s: %s", type(failed).__name__, failed)
             await _fail_session(ws, ErrorCode.FACTORY_ERROR, failed, "env factory failed")
             return
-        action_cls = getattr(env, "ACTION_CLS", None) or TextAction
+        types = self.types_of(env)
         discarded = False
         try:
-            await self._serve(ws, env, action_cls, first)
+            async with contextlib.AsyncExitStack() as stack:
+                await open_mcp_session(env, stack)
+                await self._serve(ws, env, types, first)
         except ConnectionClosed:
             pass
         except _Discard as failure:
@@ -223,7 +293,12 @@ class SessionHost:
                     await self._call_bounded(env.close)
 
     async def _serve(
-        self, ws: ServerConnection, env: Environment, action_cls: type, first: Any
+        self,
+        ws: ServerConnection,
+        env: Environment,
+        types: EnvTypes,
+        first: Any,
+        session_id: str | None = None,
     ) -> None:
         idle = self.settings.session_idle_timeout_s
         limit = self.settings.max_message_bytes
@@ -247,7 +322,7 @@ class SessionHost:
                         f"Message of {len(message)} bytes exceeds the server's limit of {limit}",
                     )
                 else:
-                    answer = await self._reply(env, action_cls, message)
+                    answer = await self._reply(env, types, message, session_id)
                     if answer is None:  # a close message
                         await ws.close(1000)
                         return
@@ -260,7 +335,9 @@ class SessionHost:
             if watchdog is not None:
                 watchdog.cancel()
 
-    async def _reply(self, env: Environment, action_cls: type, text: str) -> str | None:
+    async def _reply(
+        self, env: Environment, types: EnvTypes, text: str, session_id: str | None
+    ) -> str | None:
         try:
             kind, data = parse_message(text)
             if kind == "close":
@@ -269,11 +346,18 @@ class SessionHost:
                 return state_frame(env.state)
             if kind == "reset":
                 observation = await self._call(env, "reset", **_reset_kwargs(env, data))
-            elif _plain_text_step(env, data):  # nearly every step of a hosted text env
+            elif kind == "mcp":
+                return await self._mcp(env, data, session_id)
+            elif _plain_text_step(env, types, data):  # nearly every step of a hosted text env
                 frame: str = await self._call(env, "step_frame", data["message"])
                 return frame
             else:
-                action = deserialize_action(data, action_cls)
+                try:
+                    action = deserialize_action(data, types.action)
+                except ValidationError as exc:  # OpenEnv's reply, word for word
+                    return error_frame(
+                        ErrorCode.VALIDATION_ERROR, "Invalid message", errors=_errors(exc)
+                    )
                 observation = await self._call(env, "step", action)
             return observation_frame(observation)
         except WireError as exc:
@@ -286,6 +370,13 @@ class SessionHost:
                 f"{type(exc).__name__}: {exc}",
                 error_type=type(exc).__name__,
             )
+
+    async def _mcp(self, env: Environment, data: dict[str, Any], session_id: str | None) -> str:
+        """The ``mcp`` reply to one JSON-RPC request within this session."""
+        request, reply = parse_rpc(data)
+        if request is not None:
+            reply = await self.routes.mcp(request, env, session_id)
+        return json.dumps({"type": "mcp", "data": reply})
 
     async def _call(self, env: Environment, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run one env call where the call policy says, bounded by ``env_step_timeout_s``.
@@ -385,11 +476,13 @@ async def _fail_session(
         await ws.close(1011, reason)
 
 
-def _plain_text_step(env: Environment, data: dict[str, Any]) -> bool:
-    """Whether this step can skip the action and observation models: our own wrapper, its
-    steps not overridden, and ``data`` exactly a valid :class:`TextAction`."""
+def _plain_text_step(env: Environment, types: EnvTypes, data: dict[str, Any]) -> bool:
+    """Whether this step can skip the action and observation models: our own wrapper with
+    its own action class, its steps not overridden, and ``data`` exactly a valid
+    :class:`TextAction`."""
     return (
         isinstance(env, OpenEnvWrapper)
+        and types.action is TextAction
         and env.takes_text_directly()
         and len(data) == 1
         and type(data.get("message")) is str
@@ -435,7 +528,18 @@ def _reset_kwargs(env: Environment, data: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k in params}
 
 
-def _json_response(status: HTTPStatus, body: dict[str, Any]) -> Response:
-    payload = json.dumps(body).encode()
-    headers = Headers([("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])
-    return Response(status.value, status.phrase, headers, payload)
+_FORBIDDEN = HttpResponse(HTTPStatus.FORBIDDEN, {"detail": "missing or wrong token"})
+
+
+def _response(answer: HttpResponse) -> Response:
+    """``answer`` as the response ``websockets`` sends instead of a handshake."""
+    payload = answer.payload()
+    headers = Headers(
+        [("Content-Type", answer.content_type), ("Content-Length", str(len(payload)))]
+    )
+    return Response(answer.status, HTTPStatus(answer.status).phrase, headers, payload)
+
+
+def _errors(exc: ValidationError) -> list[dict[str, Any]]:
+    """A validation error's list as JSON data (OpenEnv sends ``exc.errors()``)."""
+    return list(json.loads(exc.json()))

@@ -74,7 +74,8 @@ def test_a_session_is_one_env_from_reset_to_close() -> None:
         ('["reset"]', "UNKNOWN_TYPE", "Unknown message type: None"),
         ('{"type": "state", "id": 7}', "VALIDATION_ERROR", "Invalid message"),
         ('{"type": "step"}', "VALIDATION_ERROR", "Invalid message"),
-        ('{"type": "step", "data": {"text": "x"}}', "VALIDATION_ERROR", "Extra inputs"),
+        # OpenEnv's words: the field and the reason travel in data["errors"]
+        ('{"type": "step", "data": {"text": "x"}}', "VALIDATION_ERROR", "Invalid message"),
         (b"\x00\x01", "VALIDATION_ERROR", "Binary frames are not supported"),
         ("x" * 2000, "MESSAGE_TOO_LARGE", "Message of 2000 bytes exceeds the server's limit"),
     ],
@@ -171,11 +172,20 @@ def test_token_is_required_when_set() -> None:
             assert ask(ws, {"type": "reset"})["type"] == "observation"
 
 
-def test_http_health_metadata_and_unknown_paths() -> None:
+def test_http_health_metadata_sessions_and_unknown_paths() -> None:
     with OpenEnvServer(make_env=EchoEnv, env_name="echo", max_concurrent_envs=3) as server:
         with urllib.request.urlopen(server.url + "/health", timeout=5) as response:
             assert json.loads(response.read()) == {"status": "healthy"}
         with urllib.request.urlopen(server.url + "/metadata", timeout=5) as response:
+            assert json.loads(response.read()) == {  # OpenEnv's EnvironmentMetadata
+                "name": "echo",
+                "description": (EchoEnv.__doc__ or "").strip()[:200],
+                "readme_content": None,
+                "version": None,
+                "author": None,
+                "documentation_url": None,
+            }
+        with urllib.request.urlopen(server.url + "/sessions", timeout=5) as response:
             assert json.loads(response.read()) == {
                 "name": "echo",
                 "active_sessions": 0,

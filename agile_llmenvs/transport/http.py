@@ -1,0 +1,192 @@
+"""Plain HTTP requests on the env server's port, beside its WebSocket sessions.
+
+The ``websockets`` server reads only ``GET`` requests (the WebSocket handshake; ``GET
+/health`` and the like are answered from its ``process_request`` hook). OpenEnv's
+``create_app`` also serves ``POST /reset``, ``POST /step`` and ``POST /mcp``. A
+:class:`RoutingConnection` looks at each connection's request line: a ``GET`` goes on to
+``websockets`` untouched (the WebSocket path costs nothing extra), any other method is read
+whole (head and ``Content-Length`` body), answered by the server's HTTP handler and closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from websockets.asyncio.server import ServerConnection
+
+__all__ = ["HttpRequest", "HttpResponse", "RoutingConnection", "routing_connection"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_HEAD_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    """One plain HTTP request: method, path, query, lower-cased headers and body."""
+
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass(frozen=True)
+class HttpResponse:
+    """A response: status and a JSON body (or, with ``text``, a plain-text one)."""
+
+    status: int
+    body: Any = field(default=None)
+    text: bool = False
+
+    @property
+    def content_type(self) -> str:
+        """The body's media type."""
+        return "text/plain; charset=utf-8" if self.text else "application/json"
+
+    def payload(self) -> bytes:
+        """The body as bytes."""
+        return str(self.body).encode() if self.text else json.dumps(self.body).encode()
+
+    def encode(self) -> bytes:
+        """The response as bytes on the wire (``Connection: close``)."""
+        payload = self.payload()
+        phrase = HTTPStatus(self.status).phrase
+        head = (
+            f"HTTP/1.1 {self.status} {phrase}\r\n"
+            f"content-type: {self.content_type}\r\n"
+            f"content-length: {len(payload)}\r\n"
+            "connection: close\r\n\r\n"
+        )
+        return head.encode() + payload
+
+
+HttpHandler = Callable[[HttpRequest], Awaitable[HttpResponse]]
+
+
+class _Detached:
+    """The transport websockets keeps once a connection has become plain HTTP: its last
+    act (aborting a connection whose handshake never came) must not cut our reply."""
+
+    def abort(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def is_closing(self) -> bool:
+        return True
+
+    def write(self, data: bytes) -> None: ...
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+
+class RoutingConnection(ServerConnection):
+    """A ``websockets`` server connection that answers non-``GET`` requests itself.
+
+    Subclassed per server by :func:`routing_connection`, which sets :attr:`answer` and
+    :attr:`max_body_bytes`.
+    """
+
+    answer: HttpHandler
+    max_body_bytes: int
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._route: str | None = None  # None until the request line is in; "ws" | "http"
+        self._buffer = b""
+
+    def data_received(self, data: bytes) -> None:
+        if self._route == "ws":
+            super().data_received(data)
+            return
+        if self._route == "done":
+            return
+        self._buffer += data
+        if self._route is None:
+            line_end = self._buffer.find(b"\r\n")
+            if line_end < 0 and len(self._buffer) < _MAX_HEAD_BYTES:
+                return
+            method = self._buffer[: self._buffer.find(b" ")] if line_end >= 0 else b""
+            if method == b"GET" or line_end < 0:
+                self._route = "ws"
+                data, self._buffer = self._buffer, b""
+                super().data_received(data)
+                return
+            self._route = "http"
+        request = self._complete_request()
+        if request is None:
+            return
+        self._route = "done"
+        transport = self.transport
+        transport.pause_reading()
+        # websockets' handshake ends as if the peer had left; the socket is ours from here
+        self.transport = _Detached()  # type: ignore[assignment]
+        super().connection_lost(None)
+        asyncio.get_running_loop().create_task(self._reply(transport, request))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._route != "done":
+            super().connection_lost(exc)
+
+    def _complete_request(self) -> HttpRequest | HttpResponse | None:
+        """The request once head and body are in (None until then), or the error reply."""
+        head_end = self._buffer.find(b"\r\n\r\n")
+        if head_end < 0:
+            if len(self._buffer) > _MAX_HEAD_BYTES:
+                return HttpResponse(431, {"detail": "Request header fields too large"})
+            return None
+        lines = self._buffer[:head_end].decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            return HttpResponse(400, {"detail": "Bad request line"})
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if not sep:
+                return HttpResponse(400, {"detail": "Bad header line"})
+            headers[name.strip().lower()] = value.strip()
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            return HttpResponse(411, {"detail": "Send the body with a Content-Length"})
+        try:
+            length = int(headers.get("content-length", "0"))
+        except ValueError:
+            return HttpResponse(400, {"detail": "Bad Content-Length"})
+        if length > self.max_body_bytes:
+            return HttpResponse(
+                413, {"detail": f"Body of {length} bytes exceeds {self.max_body_bytes}"}
+            )
+        body = self._buffer[head_end + 4 :]
+        if len(body) < length:
+            return None
+        target = urlsplit(parts[1])
+        return HttpRequest(parts[0], target.path, parse_qs(target.query), headers, body[:length])
+
+    async def _reply(
+        self, transport: asyncio.Transport, request: HttpRequest | HttpResponse
+    ) -> None:
+        try:
+            response = request if isinstance(request, HttpResponse) else await self.answer(request)
+        except Exception:
+            logger.exception("the env server's HTTP handler failed")
+            response = HttpResponse(500, {"detail": "Internal Server Error"})
+        if not transport.is_closing():
+            transport.write(response.encode())
+            transport.close()
+
+
+def routing_connection(answer: HttpHandler, max_body_bytes: int) -> type[ServerConnection]:
+    """A :class:`RoutingConnection` class whose plain HTTP requests go to ``answer``."""
+    return type(
+        "EnvServerConnection",
+        (RoutingConnection,),
+        {"answer": staticmethod(answer), "max_body_bytes": max_body_bytes},
+    )

@@ -1,0 +1,380 @@
+"""The env server's HTTP routes, with the paths and bodies OpenEnv's ``create_app`` serves.
+
+``GET /health``, ``/metadata``, ``/schema``, ``/state``; ``POST /reset``, ``/step`` (each on
+a fresh env that is closed afterwards: episodes persist only over ``/ws``, as in OpenEnv) and
+``POST /mcp`` (MCP JSON-RPC, plus OpenEnv's ``openenv/session/create`` / ``close``, whose
+sessions a ``/ws?session_id=...`` connection attaches to: how OpenEnv's ``MCPToolClient``
+works). ``GET /sessions`` (live and allowed sessions) is ours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from agile_llmenvs.transport._openenv import (
+    JsonRpcErrorCode,
+    ResetRequest,
+    ResetResponse,
+    StepRequest,
+    StepResponse,
+    deserialize_action,
+)
+from agile_llmenvs.transport.http import HttpRequest, HttpResponse
+from agile_llmenvs.transport.mcp import mcp_error, mcp_reply, parse_rpc
+from agile_llmenvs.transport.protocol import strict_json_loads
+
+if TYPE_CHECKING:
+    from agile_llmenvs.transport.sessions import SessionHost
+
+__all__ = ["HttpRoutes", "McpSession"]
+
+_NOT_FOUND = HttpResponse(404, {"detail": "Not Found"})
+_METHOD_NOT_ALLOWED = HttpResponse(405, {"detail": "Method Not Allowed"})
+_GET_PATHS = frozenset({"/health", "/metadata", "/schema", "/state", "/sessions", "/ws"})
+_POST_PATHS = frozenset({"/reset", "/step", "/mcp"})
+_SERVER_ERROR = HttpResponse(500, "Internal Server Error", text=True)
+
+
+@dataclass
+class McpSession:
+    """An env session made by ``openenv/session/create``, alive until its close."""
+
+    env: Any
+    stack: AsyncExitStack
+    last_used: float = field(default_factory=time.monotonic)
+    attached: bool = False
+    closing: bool = False
+
+
+class HttpRoutes:
+    """Answers the plain HTTP requests of one :class:`SessionHost`."""
+
+    def __init__(self, host: SessionHost) -> None:
+        self.host = host
+        self.sessions: dict[str, McpSession] = {}
+        self._metadata: dict[str, Any] | None = None
+
+    # -- GET ---------------------------------------------------------------------------------
+
+    async def get(self, path: str) -> HttpResponse:
+        """The answer to ``GET path`` (any path but ``/ws``)."""
+        host = self.host
+        if path == "/health":
+            return HttpResponse(200, {"status": "healthy"})
+        if path == "/sessions":
+            return HttpResponse(
+                200,
+                {
+                    "name": host.env_name,
+                    "active_sessions": host.active_sessions,
+                    "max_sessions": host.max_sessions,
+                },
+            )
+        if path == "/schema":
+            types = host.types or await self._with_fresh_env(host.types_of)
+            return HttpResponse(200, types.schema())
+        if path == "/metadata":
+            if self._metadata is None:
+                metadata = await self._with_fresh_env(lambda env: env.get_metadata())
+                self._metadata = metadata.model_dump(mode="json")
+            return HttpResponse(200, self._metadata)
+        if path == "/state":
+            state = await self._with_fresh_env(lambda env: env.state)
+            return HttpResponse(200, state.model_dump(mode="json"))
+        return _METHOD_NOT_ALLOWED if path in _POST_PATHS else _NOT_FOUND
+
+    # -- POST --------------------------------------------------------------------------------
+
+    async def post(self, request: HttpRequest) -> HttpResponse:
+        """The answer to a non-``GET`` request."""
+        path = request.path.rstrip("/") or "/"
+        routes = {"/reset": self._reset, "/step": self._step, "/mcp": self._mcp}
+        answer = routes.get(path)
+        if answer is None:
+            return _METHOD_NOT_ALLOWED if path in _GET_PATHS else _NOT_FOUND
+        if request.method != "POST":
+            return _METHOD_NOT_ALLOWED
+        return await answer(request)
+
+    async def _reset(self, request: HttpRequest) -> HttpResponse:
+        payload = _json_body(request, default={})
+        if isinstance(payload, HttpResponse):
+            return payload
+        try:
+            reset = ResetRequest.model_validate(payload)
+        except ValidationError as exc:
+            return _unprocessable(exc, "body")
+        kwargs = reset.model_dump(exclude_unset=True)
+        try:
+            observation = await self._with_fresh_env(
+                lambda env: env, then=lambda env: self.host.reset(env, kwargs)
+            )
+        except Exception:
+            return _SERVER_ERROR
+        return HttpResponse(200, _response(ResetResponse, observation))
+
+    async def _step(self, request: HttpRequest) -> HttpResponse:
+        payload = _json_body(request)
+        if isinstance(payload, HttpResponse):
+            return payload
+        try:
+            step = StepRequest.model_validate(payload)
+        except ValidationError as exc:
+            return _unprocessable(exc, "body")
+        host = self.host
+        types = host.types or await self._with_fresh_env(host.types_of)
+        try:
+            action = deserialize_action(step.action, types.action)
+        except ValidationError as exc:
+            return HttpResponse(422, {"detail": _errors(exc)})
+        try:
+            observation = await self._with_fresh_env(
+                lambda env: env, then=lambda env: host.step(env, action)
+            )
+        except Exception:
+            return _SERVER_ERROR
+        return HttpResponse(200, _response(StepResponse, observation))
+
+    async def _mcp(self, request: HttpRequest) -> HttpResponse:
+        try:
+            payload = strict_json_loads(request.body)
+        except ValueError:
+            return HttpResponse(200, mcp_error(JsonRpcErrorCode.PARSE_ERROR, "Parse error"))
+        request, error = parse_rpc(payload)
+        if error is not None:
+            return HttpResponse(200, error)
+        return HttpResponse(200, await self.mcp(request))
+
+    # -- MCP sessions ------------------------------------------------------------------------
+
+    async def mcp(self, request: Any, env: Any = None, session_id: str | None = None) -> Any:
+        """The reply to one MCP JSON-RPC request: over HTTP (``env`` None), or within the
+        ``/ws`` session of ``env``."""
+        rid, params = request.id, request.params
+        if request.method == "openenv/session/create":
+            if env is not None and session_id is not None:
+                return _ok({"session_id": session_id}, rid)
+            return await self._create_session(rid)
+        if request.method == "openenv/session/close":
+            return await self._close_session(params.get("session_id"), session_id, rid)
+        host = self.host
+        wanted = params.get("session_id")
+        temporary = False
+        if env is None and wanted:
+            session = self.sessions.get(wanted)
+            if session is None:
+                return mcp_error(
+                    JsonRpcErrorCode.INVALID_PARAMS, f"Unknown session_id: {wanted}", rid
+                )
+            session.last_used = time.monotonic()
+            env = session.env
+        elif env is None:
+            try:
+                env = await host.build_env()
+            except Exception as exc:
+                return mcp_error(JsonRpcErrorCode.INTERNAL_ERROR, str(exc), rid)
+            temporary = True
+        try:
+            types = host.types or host.types_of(env)
+            return await mcp_reply(
+                env,
+                types.action,
+                request,
+                lambda action: host.step(env, action),
+                in_session=not temporary,
+            )
+        finally:
+            if temporary:
+                await host.close_env(env)
+
+    async def _create_session(self, rid: Any) -> Any:
+        host = self.host
+        await self._reap_idle()
+        if host.max_sessions is not None and host.active_sessions >= host.max_sessions:
+            return mcp_error(
+                JsonRpcErrorCode.SERVER_ERROR,
+                f"Server at capacity ({host.active_sessions}/{host.max_sessions} sessions)",
+                rid,
+                data={"active_sessions": host.active_sessions, "max_sessions": host.max_sessions},
+            )
+        host.active_sessions += 1
+        try:
+            env = await host.build_env()
+        except Exception as exc:
+            host.active_sessions -= 1
+            return mcp_error(JsonRpcErrorCode.SERVER_ERROR, f"env factory failed: {exc}", rid)
+        stack = AsyncExitStack()
+        try:
+            await open_mcp_session(env, stack)
+        except Exception as exc:
+            host.active_sessions -= 1
+            await stack.aclose()
+            await host.close_env(env)
+            return mcp_error(JsonRpcErrorCode.SERVER_ERROR, str(exc), rid)
+        session_id = str(uuid.uuid4())
+        self.sessions[session_id] = McpSession(env, stack)
+        return _ok({"session_id": session_id}, rid)
+
+    async def _close_session(self, wanted: Any, own: str | None, rid: Any) -> Any:
+        if not wanted:
+            return mcp_error(
+                JsonRpcErrorCode.INVALID_PARAMS, "Invalid params - 'session_id' is required", rid
+            )
+        if own is not None and wanted == own:
+            return mcp_error(
+                JsonRpcErrorCode.INVALID_REQUEST,
+                "Cannot close active WebSocket-managed session via MCP method",
+                rid,
+            )
+        session = self.sessions.get(wanted)
+        if session is None:
+            return mcp_error(JsonRpcErrorCode.INVALID_PARAMS, f"Unknown session_id: {wanted}", rid)
+        if session.attached:
+            session.closing = True
+            return _ok({"session_id": wanted, "closed": False, "closing": True}, rid)
+        await self.end_session(wanted)
+        return _ok({"session_id": wanted, "closed": True}, rid)
+
+    def attach(self, session_id: str) -> McpSession:
+        """Attach a ``/ws`` connection to an HTTP-made session.
+
+        Raises:
+            RuntimeError: no such session, or one that has a ``/ws`` connection already
+                (OpenEnv's messages).
+        """
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise RuntimeError(f"Unknown session_id: {session_id}")
+        if session.attached:
+            raise RuntimeError(f"Session {session_id} already has an attached WebSocket")
+        session.attached = True
+        return session
+
+    async def detach(self, session_id: str) -> None:
+        """The ``/ws`` connection of a session left; end the session if a close waits."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            return
+        session.attached = False
+        session.last_used = time.monotonic()
+        if session.closing:
+            await self.end_session(session_id)
+
+    async def end_session(self, session_id: str) -> None:
+        """Close an HTTP-made session and its env."""
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return
+        self.host.active_sessions -= 1
+        with contextlib.suppress(Exception):
+            await session.stack.aclose()
+        await self.host.close_env(session.env)
+
+    async def close_all(self) -> None:
+        """Close every HTTP-made session (the server is stopping)."""
+        for session_id in list(self.sessions):
+            await self.end_session(session_id)
+
+    async def _reap_idle(self) -> None:
+        """End sessions no connection has used for ``session_idle_timeout_s``."""
+        idle = self.host.settings.session_idle_timeout_s
+        if idle is None:
+            return
+        now = time.monotonic()
+        for session_id, session in list(self.sessions.items()):
+            if not session.attached and now - session.last_used > idle:
+                await self.end_session(session_id)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    async def _with_fresh_env(self, read: Any, then: Any = None) -> Any:
+        """``read(env)`` (then ``await then(env)``) on a fresh env, closed afterwards."""
+        host = self.host
+        env = await host.build_env()
+        try:
+            value = read(env)
+            if then is not None:
+                value = await then(value)
+            return value
+        finally:
+            await host.close_env(env)
+
+
+async def open_mcp_session(env: Any, stack: AsyncExitStack) -> None:
+    """Hold ``env``'s MCP client session open on ``stack`` (an env without one: nothing)."""
+    session = getattr(env, "mcp_session", None)
+    if callable(session):
+        await stack.enter_async_context(session())
+
+
+def _ok(result: Any, rid: Any) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "result": result, "id": rid}
+
+
+def _json_body(request: HttpRequest, default: Any = None) -> Any:
+    """The request body as JSON, or the 422 FastAPI answers for a body that is not.
+
+    As in FastAPI, a body is read as JSON only when its content type says JSON; any other
+    body (no content type included) is the raw text, which no request model takes.
+    """
+    body = request.body
+    if not body:
+        if default is not None:
+            return default
+        missing = {"type": "missing", "loc": ["body"], "msg": "Field required", "input": None}
+        return HttpResponse(422, {"detail": [missing]})
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json" and not kind.endswith("+json"):
+        not_an_object = {
+            "type": "model_attributes_type",
+            "loc": ["body"],
+            "msg": "Input should be a valid dictionary or object to extract fields from",
+            "input": body.decode("utf-8", "replace"),
+        }
+        return HttpResponse(422, {"detail": [not_an_object]})
+    try:
+        return strict_json_loads(body)
+    except ValueError as exc:
+        invalid = {
+            "type": "json_invalid",
+            "loc": ["body", getattr(exc, "pos", 0)],
+            "msg": "JSON decode error",
+            "input": {},
+            "ctx": {"error": getattr(exc, "msg", str(exc))},
+        }
+        return HttpResponse(422, {"detail": [invalid]})
+
+
+def _errors(exc: ValidationError, *prefix: str) -> list[dict[str, Any]]:
+    errors: list[dict[str, Any]] = json.loads(exc.json())
+    for error in errors:
+        error["loc"] = [*prefix, *error["loc"]]
+    return errors
+
+
+def _unprocessable(exc: ValidationError, *prefix: str) -> HttpResponse:
+    errors = _errors(exc, *prefix)
+    for error in errors:
+        error.pop("url", None)
+    return HttpResponse(422, {"detail": errors})
+
+
+def _response(model: Any, observation: Any) -> dict[str, Any]:
+    """``observation`` in OpenEnv's ``ResetResponse`` / ``StepResponse`` body."""
+    fields = observation.model_dump(mode="json", exclude={"reward", "done"})
+    body: dict[str, Any] = {
+        "observation": fields,
+        "reward": observation.reward,
+        "done": observation.done,
+    }
+    if observation.metadata:
+        body["metadata"] = fields["metadata"]
+    return dict(model(**body).model_dump(mode="json"))

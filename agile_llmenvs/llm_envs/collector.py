@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from agile_llmenvs.errors import AgileLLMEnvsError, SlotTimeoutError, StaleEpisodeError
+from agile_llmenvs.errors import SlotTimeoutError, StaleEpisodeError
 from agile_llmenvs.llm_envs.episode import EpisodeData, TurnResult
 from agile_llmenvs.llm_envs.harness import RolloutHarness
-from agile_llmenvs.llm_envs.tasks import Task, TaskAssigner
+from agile_llmenvs.llm_envs.tasks import Task, TaskAssigner, check_rank
 from agile_llmenvs.llm_envs.trajectory import (
     RolloutBatch,
     Trajectory,
@@ -72,6 +72,11 @@ class RolloutCollector:
         rank: This rank (default: the torch.distributed rank, else 0).
         world_size: Ranks (default: the torch.distributed world size, else 1).
         adaptive_task_sampling: Draw rows by recent informative-group rate.
+
+    Raises:
+        ValueError: ``rank`` / ``world_size`` are not ints with ``0 <= rank < world_size``,
+            or ``batch_size`` is not a positive multiple of ``world_size``, or
+            ``group_size < 1``.
     """
 
     def __init__(
@@ -87,7 +92,7 @@ class RolloutCollector:
         world_size: int | None = None,
         adaptive_task_sampling: bool = False,
     ) -> None:
-        rank, world_size = _distributed(rank, world_size)
+        rank, world_size = check_rank(*_distributed(rank, world_size))
         if group_size < 1 or batch_size < 1 or batch_size % world_size:
             raise ValueError(
                 f"batch_size ({batch_size}) must be a positive multiple of "
@@ -109,6 +114,28 @@ class RolloutCollector:
         self._next_episode = 0
         self._open_group: tuple[int, Task, int] | None = None  # (group, task, members left)
         self._group_counter = 0
+
+    # -- AgileRL's names -----------------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        """This rank's GRPO groups per step: the world-wide ``batch_size`` / ``world_size``
+        (AgileRL's attribute; the same as :attr:`groups`)."""
+        return self.groups
+
+    @property
+    def num_envs(self) -> int:
+        """This rank's slots, ``batch_size * group_size`` (AgileRL's name of :attr:`num_slots`)."""
+        return self.num_slots
+
+    @property
+    def envs(self) -> list[RolloutHarness]:
+        """Every slot's harness, in slot order, building any slot's not built yet.
+
+        A new list each time: a slot whose env timed out gets a fresh harness on its next
+        use, so hold slot indices rather than this list.
+        """
+        return [self._harness(i) for i in range(self.num_slots)]
 
     # -- tasks -------------------------------------------------------------------------------
 
@@ -432,6 +459,7 @@ def _regroup(groups: list[tuple[Trajectory, ...]], group_size: int) -> list[Traj
 
 
 def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``(rank, world_size)``: the values passed, else torch.distributed's, else ``(0, 1)``."""
     if rank is not None and world_size is not None:
         return rank, world_size
     try:
@@ -444,6 +472,5 @@ def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
             )
     except ImportError:  # pragma: no cover - torch is a core dependency
         pass
-    if (rank or 0) != 0 and world_size is None:
-        raise AgileLLMEnvsError(f"rank={rank} needs world_size outside torch.distributed")
-    return rank or 0, world_size or 1
+    # outside torch.distributed one process is the default; check_rank judges what was passed
+    return 0 if rank is None else rank, 1 if world_size is None else world_size

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import numbers
+import operator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +13,7 @@ import numpy as np
 
 from agile_llmenvs.llm_envs.sum_tree import SumTree
 
-__all__ = ["Task", "TaskAssigner", "TaskRowStats"]
+__all__ = ["Task", "TaskAssigner", "TaskRowStats", "TaskRowWeight", "check_rank"]
 
 _DEFAULT_SEED = 0x5EED
 _SEED_SPACE = 2**31 - 1
@@ -31,8 +34,64 @@ class Task:
         return kwargs
 
 
+_RANK_FIELDS = {
+    "world_size": "the number of data-parallel processes (1 when not distributed)",
+    "rank": "this process's index among the data-parallel processes (0 when not distributed)",
+}
+
+
+def check_rank(rank: Any, world_size: Any) -> tuple[int, int]:
+    """Validate a data-parallel ``(rank, world_size)`` pair; returns it as ints.
+
+    Raises:
+        ValueError: ``world_size`` is not an int >= 1, or ``rank`` is not an int in
+            ``[0, world_size)``; the message names the field and how to fix it.
+    """
+    for name, value in (("world_size", world_size), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(
+                f"{name} must be an int, got {value!r} ({type(value).__name__}); "
+                f"pass {_RANK_FIELDS[name]}"
+            )
+    rank, world_size = int(rank), int(world_size)
+    if world_size < 1:
+        raise ValueError(
+            f"world_size must be >= 1, got {world_size}; pass {_RANK_FIELDS['world_size']}"
+        )
+    if rank < 0:
+        raise ValueError(
+            f"rank must be >= 0, got {rank}; ranks are numbered 0 to world_size - 1 "
+            f"(0 to {world_size - 1} here)"
+        )
+    if rank >= world_size:
+        raise ValueError(
+            f"rank must be < world_size, got rank={rank} with world_size={world_size}; "
+            f"ranks are numbered 0 to {world_size - 1}: pass a smaller rank, or "
+            f"world_size={rank + 1} or more"
+        )
+    return rank, world_size
+
+
+@dataclass(frozen=True)
+class TaskRowWeight:
+    """One row's adaptive sampling record, as :meth:`TaskAssigner.row_stats` lists it.
+
+    Args:
+        row: The dataset row index.
+        rate: Its decayed recent rate of informative groups (the prior for an unseen row).
+        weight: Its sampling weight, ``floor + rate``.
+    """
+
+    row: int
+    rate: float
+    weight: float
+
+
 class TaskRowStats:
     """Per-row recent rate of informative groups (rewards not all equal), decayed.
+
+    This is the whole table of one rank's rows; :meth:`TaskAssigner.row_stats` lists it as
+    one :class:`TaskRowWeight` per row.
 
     A row's sampling weight is ``floor + rate``: rows whose groups taught something are drawn
     more, and no row's chance ever reaches zero.
@@ -60,8 +119,8 @@ class TaskRowStats:
         self.tree.update(index, self.floor + rate)
 
     def weight(self, index: int) -> float:
-        """The row's current sampling weight."""
-        return self.tree.weight(index)
+        """The row's current sampling weight, ``floor + rate``."""
+        return self.floor + float(self.rate[index])
 
 
 class TaskAssigner:
@@ -82,6 +141,10 @@ class TaskAssigner:
         rank: This process's shard index in ``[0, world_size)``.
         world_size: Number of data-parallel shards.
         adaptive: Draw rows by recent informative-group rate instead of the epoch cycle.
+
+    Raises:
+        ValueError: ``rank`` / ``world_size`` are not ints with ``0 <= rank < world_size``
+            (see :func:`check_rank`), or a dataset has fewer rows than ranks.
     """
 
     def __init__(
@@ -95,10 +158,7 @@ class TaskAssigner:
     ) -> None:
         if dataset_size < 0:
             raise ValueError(f"dataset_size must be >= 0, got {dataset_size}")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(
-                f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}"
-            )
+        rank, world_size = check_rank(rank, world_size)
         if dataset_size and dataset_size < world_size:
             raise ValueError(
                 f"{dataset_size} rows cannot give each of {world_size} ranks a shard of its own"
@@ -144,14 +204,95 @@ class TaskAssigner:
             row_index=row,
         )
 
-    def record_outcome(self, row_index: int, rewards: Any) -> bool:
-        """Account a finished group of ``row_index``; returns whether it was informative
-        (its rewards were not all equal)."""
-        values = np.asarray(list(rewards), dtype=np.float64)
-        informative = bool(values.size > 1 and np.ptp(values) > 0)
-        if self.stats is not None and row_index % self.world_size == self.rank:
-            self.stats.record(row_index // self.world_size, informative)
-        return informative
+    def next_row(self) -> int:
+        """The row of the next group: the ``row_index`` of :meth:`next_task` (AgileRL's name).
+
+        Each call draws one task, so it advances the same sequence :meth:`next_task` does.
+
+        Raises:
+            ValueError: The env is procedural (``dataset_size=0``): it has seeds, not rows.
+        """
+        if not self.dataset_size:
+            raise ValueError(
+                "a procedural env (dataset_size=0) has no rows; call next_task() for its seeds"
+            )
+        row = self.next_task().row_index
+        assert row is not None  # a dataset env's tasks always carry a row
+        return row
+
+    def record_outcome(
+        self,
+        row_index: int,
+        rewards: Iterable[float] | bool | None = None,
+        *,
+        informative: bool | None = None,
+    ) -> bool:
+        """Account a finished group of ``row_index``; returns whether it was informative.
+
+        Pass the group's finished ``rewards`` (informative: not all equal), or, as AgileRL's
+        ``record_outcome(row, informative)`` does, whether it was ``informative`` (by keyword,
+        or a bool in place of the rewards). With ``adaptive`` the outcome moves the row's
+        sampling weight; otherwise rows follow the epoch cycle and it moves nothing.
+
+        Raises:
+            TypeError: Neither or both of ``rewards`` and ``informative`` were given.
+            ValueError: ``row_index`` is outside this rank's shard: with ``adaptive`` the
+                rows ``r`` with ``r % world_size == rank``, otherwise any row of the dataset
+                (the epoch cycle deals every row to some rank each epoch).
+        """
+        if (rewards is None) == (informative is None):
+            raise TypeError(
+                "record_outcome needs the group's rewards or informative=..., exactly one"
+            )
+        row = operator.index(row_index)
+        self._check_owned(row)
+        if isinstance(rewards, (bool, np.bool_)):
+            informative = bool(rewards)
+        elif rewards is not None:
+            values = np.asarray(list(rewards), dtype=np.float64)
+            informative = bool(values.size > 1 and np.ptp(values) > 0)
+        if self.stats is not None:
+            self.stats.record(row // self.world_size, bool(informative))
+        return bool(informative)
+
+    def row_stats(self) -> list[TaskRowWeight]:
+        """Every row of this rank's adaptive shard with its rate and weight, by row.
+
+        Empty when not ``adaptive``: rows then follow the epoch cycle and have no weights.
+        """
+        if self.stats is None:
+            return []
+        stats = self.stats
+        return [
+            TaskRowWeight(int(row), float(stats.rate[index]), stats.weight(index))
+            for index, row in enumerate(self._static)
+        ]
+
+    def _check_owned(self, row: int) -> None:
+        """Raise unless this rank can have drawn ``row``."""
+        if not self.dataset_size:
+            raise ValueError(
+                f"row {row} is outside rank {self.rank}'s shard: a procedural env "
+                "(dataset_size=0) has no rows; record outcomes only for tasks with a row_index"
+            )
+        last = self.dataset_size - 1
+        if self.stats is None:
+            if not 0 <= row <= last:
+                raise ValueError(
+                    f"row {row} is outside rank {self.rank}'s shard: the epoch cycle deals "
+                    f"rows 0..{last} across the {self.world_size} rank(s); record only rows "
+                    "this assigner drew"
+                )
+            return
+        if not (0 <= row <= last and row % self.world_size == self.rank):
+            owned = [int(r) for r in self._static]
+            listed = owned if len(owned) <= 4 else [*owned[:3], "...", owned[-1]]
+            raise ValueError(
+                f"row {row} is outside rank {self.rank}'s shard: with adaptive sampling, rank "
+                f"{self.rank} of {self.world_size} owns rows {', '.join(map(str, listed))} "
+                f"(r % {self.world_size} == {self.rank}); record each group's outcome on the "
+                "rank that drew it"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume the exact task sequence."""
@@ -193,6 +334,7 @@ class TaskAssigner:
 
     def row_weight(self, row_index: int) -> float:
         """The adaptive sampling weight of one of this rank's rows."""
-        if self.stats is None or row_index % self.world_size != self.rank:
+        owned = 0 <= row_index < self.dataset_size and row_index % self.world_size == self.rank
+        if self.stats is None or not owned:
             raise ValueError(f"row {row_index} has no adaptive weight on rank {self.rank}")
         return self.stats.weight(row_index // self.world_size)

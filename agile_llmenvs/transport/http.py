@@ -26,6 +26,7 @@ __all__ = ["HttpRequest", "HttpResponse", "RoutingConnection", "routing_connecti
 logger = logging.getLogger(__name__)
 
 _MAX_HEAD_BYTES = 64 * 1024
+_LINGER_S = 2.0  # how long a refused request's unread body is drained before closing
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class RoutingConnection(ServerConnection):
         super().__init__(*args, **kwargs)
         self._route: str | None = None  # None until the request line is in; "ws" | "http"
         self._buffer = b""
+        self._continued = False
 
     def data_received(self, data: bytes) -> None:
         if self._route == "ws":
@@ -112,12 +114,11 @@ class RoutingConnection(ServerConnection):
             return
         self._buffer += data
         if self._route is None:
-            line_end = self._buffer.find(b"\r\n")
-            if line_end < 0 and len(self._buffer) < _MAX_HEAD_BYTES:
+            head_end = self._buffer.find(b"\r\n\r\n")
+            if head_end < 0 and len(self._buffer) < _MAX_HEAD_BYTES:
                 return
-            method = self._buffer[: self._buffer.find(b" ")] if line_end >= 0 else b""
-            if method == b"GET" or line_end < 0:
-                self._route = "ws"
+            if head_end < 0 or _is_plain_get(self._buffer[:head_end]):
+                self._route = "ws"  # a handshake, or a GET websockets answers itself
                 data, self._buffer = self._buffer, b""
                 super().data_received(data)
                 return
@@ -166,6 +167,9 @@ class RoutingConnection(ServerConnection):
             )
         body = self._buffer[head_end + 4 :]
         if len(body) < length:
+            if headers.get("expect", "").lower() == "100-continue" and not self._continued:
+                self._continued = True  # curl waits for this before it sends a large body
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             return None
         target = urlsplit(parts[1])
         return HttpRequest(parts[0], target.path, parse_qs(target.query), headers, body[:length])
@@ -178,9 +182,25 @@ class RoutingConnection(ServerConnection):
         except Exception:
             logger.exception("the env server's HTTP handler failed")
             response = HttpResponse(500, {"detail": "Internal Server Error"})
-        if not transport.is_closing():
-            transport.write(response.encode())
+        if transport.is_closing():
+            return
+        transport.write(response.encode())
+        if isinstance(request, HttpResponse) and transport.can_write_eof():
+            # refused before its body was read: half-close and drop what the peer still
+            # sends, so that it reads this reply instead of a reset connection
+            transport.write_eof()
+            transport.resume_reading()
+            asyncio.get_running_loop().call_later(_LINGER_S, transport.close)
+        else:
             transport.close()
+
+
+def _is_plain_get(head: bytes) -> bool:
+    """Whether a request head is a ``GET`` without a body (what ``websockets`` reads)."""
+    if not head.startswith(b"GET "):
+        return False
+    lowered = head.lower()
+    return b"\ncontent-length:" not in lowered and b"\ntransfer-encoding:" not in lowered
 
 
 def routing_connection(answer: HttpHandler, max_body_bytes: int) -> type[ServerConnection]:

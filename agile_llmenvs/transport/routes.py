@@ -38,6 +38,14 @@ __all__ = ["HttpRoutes", "McpSession"]
 
 _NOT_FOUND = HttpResponse(404, {"detail": "Not Found"})
 _METHOD_NOT_ALLOWED = HttpResponse(405, {"detail": "Method Not Allowed"})
+_SHARED = HttpResponse(
+    409,
+    {
+        "detail": "this server shares one env between sessions (OpenEnvServer(env=...)), so "
+        "HTTP /reset, /step and /state, which need an env of their own, are not served; use "
+        "a /ws session, or serve with make_env= for a fresh env per call"
+    },
+)
 _GET_PATHS = frozenset({"/health", "/metadata", "/schema", "/state", "/sessions", "/ws"})
 _POST_PATHS = frozenset({"/reset", "/step", "/mcp"})
 _SERVER_ERROR = HttpResponse(500, "Internal Server Error", text=True)
@@ -87,6 +95,8 @@ class HttpRoutes:
                 self._metadata = metadata.model_dump(mode="json")
             return HttpResponse(200, self._metadata)
         if path == "/state":
+            if not host.owns_envs:
+                return _SHARED
             state = await self._with_fresh_env(lambda env: env.state)
             return HttpResponse(200, state.model_dump(mode="json"))
         return _METHOD_NOT_ALLOWED if path in _POST_PATHS else _NOT_FOUND
@@ -102,6 +112,8 @@ class HttpRoutes:
             return _METHOD_NOT_ALLOWED if path in _GET_PATHS else _NOT_FOUND
         if request.method != "POST":
             return _METHOD_NOT_ALLOWED
+        if not self.host.owns_envs and path != "/mcp":
+            return _SHARED
         return await answer(request)
 
     async def _reset(self, request: HttpRequest) -> HttpResponse:

@@ -174,9 +174,14 @@ class SessionHost:
         return _response(answer)
 
     async def answer_http(self, request: HttpRequest) -> HttpResponse:
-        """Answer a plain (non-``GET``) HTTP request: ``POST /reset``, ``/step``, ``/mcp``."""
+        """Answer a plain HTTP request: ``POST /reset``, ``/step``, ``/mcp`` (and a ``GET``
+        that carries a body)."""
+        if request.method == "GET" and request.path.rstrip("/") == "/health":
+            return await self.routes.get("/health")
         if not self._authorized(request.headers.get("authorization", ""), request.query):
             return _FORBIDDEN
+        if request.method == "GET":  # one with a body, which websockets does not read
+            return await self.routes.get(request.path.rstrip("/"))
         return await self.routes.post(request)
 
     def _authorized(self, authorization: str, query: dict[str, list[str]]) -> bool:
@@ -221,6 +226,11 @@ class SessionHost:
 
     async def handle(self, ws: ServerConnection) -> None:
         """Serve one connection: one env, from its first message to its close."""
+        path = ws.request.path if ws.request is not None else ""
+        session_id = parse_qs(urlsplit(path).query).get("session_id", [""])[0]
+        if session_id:  # a session made over HTTP (OpenEnv's MCPToolClient): counted already
+            await self._attached_session(ws, session_id)
+            return
         if self.max_sessions is not None and self.active_sessions >= self.max_sessions:
             message = f"Server at capacity ({self.active_sessions}/{self.max_sessions} sessions)"
             with contextlib.suppress(ConnectionClosed):
@@ -233,11 +243,6 @@ class SessionHost:
                     )
                 )
                 await ws.close(1013, "at capacity")
-            return
-        path = ws.request.path if ws.request is not None else ""
-        session_id = parse_qs(urlsplit(path).query).get("session_id", [""])[0]
-        if session_id:  # a session made over HTTP (OpenEnv's MCPToolClient)
-            await self._attached_session(ws, session_id)
             return
         self.active_sessions += 1
         try:

@@ -14,7 +14,7 @@ from agile_llmenvs.llm_envs.dataset_env import DatasetEnv, PreferenceBatch, SFTB
 from agile_llmenvs.llm_envs.episode import EpisodeData, StopReason, TokenSample, TurnResult
 from agile_llmenvs.llm_envs.framing import ChatTemplateError, apply_chat_template
 from agile_llmenvs.llm_envs.harness import HarnessConfig, RolloutHarness
-from agile_llmenvs.llm_envs.tasks import Task, TaskAssigner, TaskRowStats
+from agile_llmenvs.llm_envs.tasks import Task, TaskAssigner, TaskRowStats, TaskRowWeight
 from agile_llmenvs.llm_envs.trajectory import RolloutBatch, Trajectory
 from agile_llmenvs.transport import (
     EnvReply,
@@ -51,6 +51,7 @@ __all__ = [
     "Task",
     "TaskAssigner",
     "TaskRowStats",
+    "TaskRowWeight",
     "TextAction",
     "TextEnv",
     "TextObservation",

@@ -1,11 +1,16 @@
-"""Run ``agile-llmenvs serve`` in a subprocess, for tests that need a server they can kill."""
+"""Servers for tests: ``agile-llmenvs serve`` in a subprocess (for tests that need a server
+they can kill), and an ASGI app such as OpenEnv's ``create_app`` under uvicorn in a thread."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 TESTS = Path(__file__).resolve().parent
 
@@ -33,3 +38,37 @@ class ServedProcess:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(10)
+
+
+class UvicornApp:
+    """An ASGI app (OpenEnv's own ``create_app``) served by uvicorn on 127.0.0.1, in a daemon
+    thread; a context manager that stops it on exit."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not self.server.started:
+            self.close()
+            raise RuntimeError(f"uvicorn did not start serving {self.url} within 30 s")
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+    def __enter__(self) -> UvicornApp:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

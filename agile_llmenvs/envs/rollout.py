@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from agile_llmenvs.errors import EnvBuildError
-from agile_llmenvs.llm_envs.from_spec import spec_settings
+from agile_llmenvs.llm_envs.from_spec import env_turn_budget, served_turn_budget, spec_settings
 from agile_llmenvs.llm_envs.harness import RolloutHarness
 from agile_llmenvs.llm_envs.rubric import RubricEnv, load_rubric
 from agile_llmenvs.specs import LLMEnvSpec
@@ -41,8 +41,9 @@ def make_rollout_env_factory(
     ``env_packages``). An entrypoint with hosting fields (``env_hosts``, ...) is served by
     Ray env hosts instead: the factory is then a
     :class:`~agile_llmenvs.hosting.HostedHarnessFactory`, whose ``close()`` stops the hosts.
-    The turn budget rides along: an entrypoint env that does not declare ``max_turns`` in the
-    manifest is probed for one.
+    The turn budget rides along. Unset in the manifest, it is the env's own: an entrypoint
+    env's ``max_turns`` attribute (a text env without one is single-turn), or ``max_turns``
+    in the state of a served env or an OpenEnv ``Environment``, which must advertise one.
 
     Args:
         spec: The env spec, with ``env_type: rollout``.
@@ -60,8 +61,9 @@ def make_rollout_env_factory(
 
     Raises:
         EnvBuildError: the spec is not a rollout spec, names an ``env_image`` (that needs an
-            orchestrator placing Pods), its env hosts did not start in time, or its source
-            cannot be built (missing rubric function, unreadable rows, ...).
+            orchestrator placing Pods), its env hosts did not start in time, its source
+            cannot be built (missing rubric function, unreadable rows, ...), or ``max_turns``
+            is unset and a served env (or an OpenEnv ``Environment``) advertises none.
         OptionalDependencyError: the hosting fields are set and ray is not installed.
     """
     if spec.env_type != "rollout":
@@ -121,7 +123,7 @@ def _url_factory(
         with lock:
             return next(urls)
 
-    max_turns = spec.max_turns or _probe_remote(spec.env_urls[0], timeout) or 1
+    max_turns = spec.max_turns or served_turn_budget(spec.env_urls[0], timeout_s=timeout)
 
     def factory() -> RolloutHarness:
         client = RemoteEnvClient(
@@ -146,8 +148,12 @@ def _entrypoint_factory(
     max_turns = spec.max_turns
     if max_turns is None:  # the env may declare its own budget
         probe = make_env()
-        max_turns = int(getattr(probe, "max_turns", None) or 1)
-        probe.close()
+        try:
+            max_turns = env_turn_budget(probe, label=spec.entrypoint)
+        finally:
+            close = getattr(probe, "close", None)  # a registry's env may have none (GEM's)
+            if callable(close):
+                close()
     action_field = settings.get("action_field", "message")
 
     def factory() -> RolloutHarness:
@@ -155,11 +161,3 @@ def _entrypoint_factory(
         return RolloutHarness(client, tokenizer, max_turns, **settings)
 
     return factory, max_turns
-
-
-def _probe_remote(url: str, timeout_s: float | None) -> int | None:
-    """The turn budget a served env declares in its state (None when it declares none)."""
-    with RemoteEnvClient(url, timeout_s=timeout_s) as client:
-        client.reset()
-        value = client.state().get("max_turns")
-    return int(value) if value else None

@@ -1,4 +1,5 @@
-"""Build a RolloutHarness from a URL, an entrypoint string, or an LLMEnvSpec."""
+"""Build a RolloutHarness from a URL, an entrypoint string, or an LLMEnvSpec, and find the
+turn budget of an env the manifest gives none."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ from typing import TYPE_CHECKING, Any
 from agile_llmenvs._imports import load_object
 from agile_llmenvs.errors import EnvBuildError
 from agile_llmenvs.specs import LLMEnvSpec
+from agile_llmenvs.transport._openenv import Environment
 from agile_llmenvs.transport.client import InProcessEnvClient
+from agile_llmenvs.transport.remote import RemoteEnvClient
 from agile_llmenvs.transport.resolve import ensure_env_packages, env_factory
 
 if TYPE_CHECKING:
     from agile_llmenvs.llm_envs.harness import RolloutHarness
 
-__all__ = ["harness_from_spec", "spec_settings"]
+__all__ = ["env_turn_budget", "harness_from_spec", "served_turn_budget", "spec_settings"]
 
 _URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
 
@@ -43,6 +46,52 @@ def spec_settings(spec: LLMEnvSpec) -> dict[str, Any]:
     return {key: value for key, value in settings.items() if value is not None}
 
 
+def served_turn_budget(url: str, *, timeout_s: float | None = None) -> int:
+    """The turn budget the env served at ``url`` advertises: ``max_turns`` in its state.
+
+    Raises:
+        EnvBuildError: the state has no ``max_turns`` (OpenEnv's own ``State`` has none), so
+            the manifest must set ``env.max_turns``.
+    """
+    with RemoteEnvClient(url, timeout_s=timeout_s) as client:
+        client.reset()  # a session opens on its first reset
+        value = client.state().get("max_turns")
+    if not value:
+        raise _unknown_budget(f"the env at {url}")
+    return int(value)
+
+
+def env_turn_budget(env: Any, *, label: str) -> int:
+    """The turn budget an env built in this process declares.
+
+    A ``max_turns`` attribute is the budget. An OpenEnv ``Environment`` without one is asked
+    as a served env would be: ``max_turns`` in its state after a reset. A text env that
+    declares none is single-turn (1), as the ``TextEnv`` contract has it.
+
+    Raises:
+        EnvBuildError: an OpenEnv ``Environment`` advertises no budget (name it in
+            ``env.max_turns``); ``label`` names the env in the message.
+    """
+    declared = getattr(env, "max_turns", None)
+    if declared:
+        return int(declared)
+    if not isinstance(env, Environment):
+        return 1
+    env.reset()
+    value = getattr(env.state, "max_turns", None)
+    if not value:
+        raise _unknown_budget(f"the OpenEnv env {label!r}")
+    return int(value)
+
+
+def _unknown_budget(where: str) -> EnvBuildError:
+    return EnvBuildError(
+        f"env.max_turns: {where} does not advertise a turn budget (its state has no "
+        "`max_turns`), so an episode's length is unknown; set `max_turns` in the manifest's "
+        "env section to the turns an episode may take (e.g. `max_turns: 3`)"
+    )
+
+
 def harness_from_spec(
     cls: type[RolloutHarness],
     spec: LLMEnvSpec | str,
@@ -52,28 +101,33 @@ def harness_from_spec(
     **settings: Any,
 ) -> RolloutHarness:
     """Build one harness: a URL is reached over a WebSocket session, an entrypoint is built
-    in this process. Explicit ``settings`` override what the spec declares.
+    in this process. Explicit ``settings`` override what the spec declares; without a
+    ``max_turns`` in either, the env's own budget is used (:func:`served_turn_budget`,
+    :func:`env_turn_budget`).
 
     Raises:
         EnvBuildError: the spec's source cannot be built here (a dataset-backed env, which
-            :func:`~agile_llmenvs.envs.make_rollout_env_factory` builds, or an ``env_image``).
+            :func:`~agile_llmenvs.envs.make_rollout_env_factory` builds, or an ``env_image``),
+            or the env advertises no turn budget and none is given.
     """
     if isinstance(spec, str):
-        if spec.startswith(_URL_SCHEMES):
-            return cls(spec, tokenizer, **settings)
-        return cls.local(env_factory(spec)(), tokenizer, **settings)
+        source = "env_url" if spec.startswith(_URL_SCHEMES) else "entrypoint"
+        spec = LLMEnvSpec.model_validate({"env_type": "rollout", source: spec})
     if spec.env_type != "rollout":
         raise EnvBuildError(f"{spec.label!r} is a dataset env; a harness needs env_type rollout")
     merged = {**spec_settings(spec), **settings}
     max_turns = merged.pop("max_turns", None)
     if spec.source == "env_url":
-        return cls(spec.env_urls[0], tokenizer, max_turns or 1, **merged)
+        url = spec.env_urls[0]
+        max_turns = max_turns or served_turn_budget(url, timeout_s=merged.get("timeout_s"))
+        return cls(url, tokenizer, max_turns, **merged)
     if spec.source == "entrypoint":
         assert spec.entrypoint is not None
         ensure_env_packages(spec.env_packages, allow_install=allow_install)
         env = env_factory(spec.entrypoint, spec.env_config, factory=spec.factory)()
+        max_turns = max_turns or env_turn_budget(env, label=spec.entrypoint)
         client = InProcessEnvClient(env, action_field=merged.get("action_field", "message"))
-        return cls(client, tokenizer, max_turns or int(getattr(env, "max_turns", 1)), **merged)
+        return cls(client, tokenizer, max_turns, **merged)
     raise EnvBuildError(
         f"{spec.label!r}: a {spec.source} rollout env is built by make_rollout_env_factory"
         + (" on the Ray runtime" if spec.source == "env_image" else "")

@@ -8,18 +8,19 @@ past turn.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agile_llmenvs.errors import EnvStateError
+from agile_llmenvs.errors import EnvProtocolError, EnvStateError
 from agile_llmenvs.llm_envs.actions import MALFORMED_FEEDBACK, ActionPlayer
 from agile_llmenvs.llm_envs.episode import EpisodeData, StopReason, TokenSample, TurnResult
 from agile_llmenvs.llm_envs.framing import ChatFramer
 from agile_llmenvs.llm_envs.restart import TurnText, fit_restart
 from agile_llmenvs.llm_envs.tool_calls import TOOL_CALL_PARSERS
-from agile_llmenvs.transport.client import EnvClientProtocol, InProcessEnvClient
+from agile_llmenvs.transport.client import EnvClientProtocol, InProcessEnvClient, SupportsListTools
 from agile_llmenvs.transport.remote import RemoteEnvClient
 from agile_llmenvs.transport.types import EnvReply
 
@@ -43,7 +44,9 @@ class HarnessConfig:
         reasoning_delimiters: The reasoning block's open and close (None: the template's,
             ``<think>`` / ``</think>``).
         action_field: Action field (or MCP argument) carrying the text.
-        observation_field: Observation field holding the prompt text (default ``prompt``).
+        observation_field: Observation field holding the prompt text (None: what
+            :attr:`EnvReply.prompt` picks: ``prompt``, an MCP tool's result, or the one
+            string field of a structured observation).
         observation_processor: Turns an observation dict into prompt text.
         instruction: Text put before the first observation.
         strict_chat_template_boundary: Raise when the tokenizer has no chat template
@@ -199,6 +202,7 @@ class RolloutHarness:
         self.player = ActionPlayer(self.client, self.framer, self._observation_text, self.config)
         self.eval = False
         self._episode: _Episode | None = None
+        self._tools: list[dict[str, Any]] | None = None  # an MCP env's, listed at first reset
 
     @classmethod
     def local(cls, env: Any, tokenizer: Any, max_turns: int = 1, **settings: Any) -> RolloutHarness:
@@ -235,7 +239,8 @@ class RolloutHarness:
 
         ``row_index`` selects an entry of ``tasks`` (``eval_tasks`` in eval mode), merged
         into the env's reset kwargs. When the prompt alone is over ``max_model_len`` the
-        episode is already over (``done``, ``StopReason.PROMPT_LIMIT``).
+        episode is already over (``done``, ``StopReason.PROMPT_LIMIT``). An env whose reset
+        observation is empty (an MCP env's) is introduced by the tools it lists.
         """
         if task.get("row_index", 0) is None:
             del task["row_index"]
@@ -247,7 +252,7 @@ class RolloutHarness:
             task = {**rows[index], **task}
         reply = self.client.reset(seed=seed, **task)
         episode = self._episode = _Episode(info=dict(reply.metadata))
-        episode.prompt_text = self._observation_text(reply)
+        episode.prompt_text = self._first_prompt(reply)
         head = "\n\n".join(filter(None, [self.config.instruction, episode.prompt_text]))
         episode.messages = [*self._system(), {"role": "user", "content": head}]
         ids = self.framer.prompt(episode.messages)
@@ -398,6 +403,24 @@ class RolloutHarness:
         episode.stop_reason = reason
         episode.close_sample()
 
+    def _first_prompt(self, reply: EnvReply) -> str:
+        """The reset observation's text; for an empty one (an MCP env's reset says nothing),
+        the tools the env lists, asked once per harness since they come with the env."""
+        config = self.config
+        if reply.observation or config.observation_processor or config.observation_field:
+            return self._observation_text(reply)
+        if self._tools is None:
+            self._tools = self._list_tools()
+        return _tools_text(self._tools) if self._tools else self._observation_text(reply)
+
+    def _list_tools(self) -> list[dict[str, Any]]:
+        if not isinstance(self.client, SupportsListTools):
+            return []
+        try:
+            return self.client.list_tools()
+        except EnvProtocolError:  # not an MCP env: it refused the listing, and has no tools
+            return []
+
     def _observation_text(self, reply: EnvReply) -> str:
         config = self.config
         if config.observation_processor is not None:
@@ -419,3 +442,14 @@ class RolloutHarness:
         if self._episode is None:
             raise EnvStateError("call reset() first")
         return self._episode
+
+
+def _tools_text(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The tools an env lists, as the text of its first prompt: each one's name, description
+    and JSON input schema."""
+    lines = ["Tools you can call:"]
+    for tool in tools:
+        description = " ".join(str(tool.get("description") or "").split())
+        lines.append(f"- {tool['name']}: {description}" if description else f"- {tool['name']}")
+        lines.append(f"  input schema: {json.dumps(tool.get('input_schema') or {})}")
+    return "\n".join(lines)

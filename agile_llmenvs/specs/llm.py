@@ -105,7 +105,13 @@ class LLMEnvSpec(BaseModel):
     env_packages: dict[str, list[str]] | None = _d(
         'Requirements to install on first build: {"pip": [...]} or {"uv": [...]}.'
     )
-    max_turns: PositiveInt = _d("Turn budget of an episode (probed from the env if unset).")
+    max_turns: PositiveInt = _d(
+        "Turn budget of an episode. Unset: the env's own, probed when the env is built: an "
+        "entrypoint env's `max_turns` attribute (a text env without one is single-turn), or "
+        "`max_turns` in the state of an `env_url` env or an OpenEnv `Environment`; such an "
+        "env that advertises none (OpenEnv's `State` has no `max_turns`) fails the build with "
+        "an error naming `env.max_turns`: set it."
+    )
     segment_prompt_tokens: PositiveInt = _d(
         "Bound on every prompt the policy sees: a longer context restarts as a new training "
         "segment from a prompt fitted within it."
@@ -121,7 +127,13 @@ class LLMEnvSpec(BaseModel):
         "Raise when the tokenizer has no chat template (default: warn and frame as ChatML)."
     )
     observation_field: str | None = Field(
-        None, min_length=1, description="Observation field holding the prompt text."
+        None,
+        min_length=1,
+        description="Observation field holding the prompt text. Unset: `prompt` (a text "
+        "env's), an MCP tool's result, or else the one string field of a structured "
+        "observation (OpenEnv's `done`, `reward`, `metadata` aside); an observation with "
+        "several is shown as JSON, so name one here. An empty reset observation (an MCP "
+        "env's) is shown as the tools the env lists.",
     )
     observation_processor: ImportPath | None = _d(
         "`module:attr` turning an observation into prompt text."

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from agile_llmenvs.errors import AgileLLMEnvsError, EnvProtocolError, EnvStateError
-from agile_llmenvs.transport._openenv import CallToolAction, Environment
+from agile_llmenvs.transport._openenv import CallToolAction, Environment, ListToolsAction
 from agile_llmenvs.transport.protocol import code_for_exception, error_from_wire, observation_frame
 from agile_llmenvs.transport.types import EnvReply, TextAction, TextObservation
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
@@ -14,7 +15,7 @@ from agile_llmenvs.transport.wrapper import OpenEnvWrapper
 if TYPE_CHECKING:
     from agile_llmenvs.llm_envs.contract import TextEnv
 
-__all__ = ["EnvClientProtocol", "InProcessEnvClient", "SupportsToolCalls"]
+__all__ = ["EnvClientProtocol", "InProcessEnvClient", "SupportsListTools", "SupportsToolCalls"]
 
 
 @runtime_checkable
@@ -44,6 +45,15 @@ class SupportsToolCalls(Protocol):
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> EnvReply:
         """Call tool ``name`` with ``arguments``."""
+        ...
+
+
+@runtime_checkable
+class SupportsListTools(Protocol):
+    """A client that can list an env's MCP tools."""
+
+    def list_tools(self) -> list[dict[str, Any]]:
+        """The env's tools, each with ``name``, ``description`` and ``input_schema``."""
         ...
 
 
@@ -114,6 +124,21 @@ class InProcessEnvClient:
         action = self._call(CallToolAction, tool_name=name, arguments=arguments)
         return _reply(self._call(self.env.step, action))
 
+    def list_tools(self) -> list[dict[str, Any]]:
+        """The tools of an OpenEnv MCP environment (its ``ListToolsAction``), each with
+        ``name``, ``description`` and ``input_schema``.
+
+        Raises:
+            EnvProtocolError: the env is not an MCP environment.
+        """
+        self._check_open()
+        if not _is_mcp_env(self.env):
+            raise EnvProtocolError(
+                f"in-process env {type(self.env).__name__!r} is not an MCP environment: it "
+                "has no tools to list"
+            )
+        return _reply(self._call(self.env.step, ListToolsAction())).listed_tools()
+
     def state(self) -> dict[str, Any]:
         """The env's OpenEnv state as plain JSON data."""
         self._check_open()
@@ -149,6 +174,13 @@ class InProcessEnvClient:
                 "error_type": type(exc).__name__,
             }
             raise error_from_wire(message, url="in-process env") from exc
+
+
+def _is_mcp_env(env: object) -> bool:
+    """Whether ``env`` is OpenEnv's ``MCPEnvironment``, without importing its module (and
+    fastmcp) for every env: an instance exists only once that module is loaded."""
+    module = sys.modules.get("openenv.core.env_server.mcp_environment")
+    return module is not None and isinstance(env, module.MCPEnvironment)
 
 
 def _text_reply(fields: dict[str, Any]) -> EnvReply:

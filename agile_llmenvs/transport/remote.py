@@ -35,6 +35,7 @@ from agile_llmenvs.transport.types import EnvReply
 __all__ = ["ClientState", "RemoteEnvClient", "ws_url"]
 
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_LIST_TOOLS = {"type": "list_tools"}  # OpenEnv's MCP step that lists an env's tools
 
 
 class ClientState(Enum):
@@ -146,6 +147,16 @@ class RemoteEnvClient:
         """Call an MCP tool of the env (``call_tool`` as an OpenEnv step)."""
         return self._step_sync({"type": "call_tool", "tool_name": name, "arguments": arguments})
 
+    def list_tools(self) -> list[dict[str, Any]]:
+        """The env's MCP tools (``list_tools`` as an OpenEnv step, in an episode), each with
+        ``name``, ``description`` and ``input_schema``.
+
+        Raises:
+            EnvProtocolError: the env is not an MCP env (it refused the step).
+            EnvExecutionError: the env could not list its tools.
+        """
+        return self._step_sync(_LIST_TOOLS).listed_tools()
+
     def state(self) -> dict[str, Any]:
         """The env's OpenEnv state."""
         if self._ws is not None:
@@ -205,6 +216,10 @@ class RemoteEnvClient:
     async def acall_tool(self, name: str, arguments: dict[str, Any]) -> EnvReply:
         """Async :meth:`call_tool`; must run on the session loop."""
         return await self._astep({"type": "call_tool", "tool_name": name, "arguments": arguments})
+
+    async def alist_tools(self) -> list[dict[str, Any]]:
+        """Async :meth:`list_tools`; must run on the session loop."""
+        return (await self._astep(_LIST_TOOLS)).listed_tools()
 
     async def astate(self) -> dict[str, Any]:
         """Async :meth:`state`; must run on the session loop."""

@@ -8,9 +8,13 @@ from typing import Any
 
 from pydantic import Field
 
+from agile_llmenvs.errors import EnvExecutionError, EnvProtocolError
 from agile_llmenvs.transport._openenv import Action, Observation, State
 
 __all__ = ["EnvReply", "TextAction", "TextObservation", "TextState"]
+
+#: Fields every OpenEnv observation has; none of them is the observation's text.
+_OPENENV_FIELDS = frozenset({"done", "reward", "metadata"})
 
 
 class TextAction(Action):
@@ -63,14 +67,43 @@ class EnvReply:
 
     @property
     def prompt(self) -> str:
-        """The observation's text: ``prompt`` for text envs, the text of an MCP tool's result
-        (or its error) for tool calls, else the observation as JSON."""
-        prompt = self.observation.get("prompt")
+        """The observation's text, first match wins: ``prompt`` (a text env's observation,
+        whose terminal step also carries string ``question`` / ``answer`` labels), the text of
+        an MCP tool's result (or its error), the one string field of any other structured
+        observation (OpenEnv's own ``done`` / ``reward`` / ``metadata`` aside), else the
+        observation as JSON (no string field, or several: name one with
+        ``observation_field``)."""
+        observation = self.observation
+        prompt = observation.get("prompt")
         if isinstance(prompt, str):
             return prompt
-        if "tool_name" in self.observation:
-            return _tool_text(self.observation)
-        return json.dumps(self.observation)
+        if "tool_name" in observation:
+            return _tool_text(observation)
+        texts = [
+            value
+            for name, value in observation.items()
+            if isinstance(value, str) and name not in _OPENENV_FIELDS
+        ]
+        return texts[0] if len(texts) == 1 else json.dumps(observation)
+
+    def listed_tools(self) -> list[dict[str, Any]]:
+        """The tools of a reply to OpenEnv's ``list_tools`` step (a ``ListToolsObservation``),
+        each a dict with ``name``, ``description`` and ``input_schema``.
+
+        Raises:
+            EnvProtocolError: the reply is not a tool listing.
+            EnvExecutionError: the env could not list its tools (OpenEnv reports that as an
+                empty listing with an ``error`` in its metadata).
+        """
+        tools = self.observation.get("tools")
+        if not isinstance(tools, list):
+            raise EnvProtocolError(
+                f"expected a list_tools reply with a `tools` list, got the fields "
+                f"{sorted(self.observation)}"
+            )
+        if not tools and self.metadata.get("error"):
+            raise EnvExecutionError(f"the env could not list its tools: {self.metadata['error']}")
+        return [dict(tool) for tool in tools]
 
     @property
     def truncated(self) -> bool:

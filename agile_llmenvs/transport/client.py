@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from agile_llmenvs.errors import AgileLLMEnvsError, EnvProtocolError, EnvStateError
 from agile_llmenvs.transport._openenv import CallToolAction, Environment, ListToolsAction
+from agile_llmenvs.transport.env_types import infer_env_types
 from agile_llmenvs.transport.protocol import code_for_exception, error_from_wire, observation_frame
 from agile_llmenvs.transport.types import EnvReply, TextAction, TextObservation
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
@@ -70,14 +71,23 @@ class InProcessEnvClient:
     Args:
         env: The env to drive: a text env or an OpenEnv ``Environment``.
         action_field: Field of the env's action class the model's text goes into.
+        action_cls: The env's action class, which every step is validated against, as
+            :class:`~agile_llmenvs.transport.OpenEnvServer` takes it (default: the env's
+            ``step`` annotation; :class:`TextAction` for a text env).
     """
 
-    def __init__(self, env: TextEnv | Environment, *, action_field: str = "message") -> None:
+    def __init__(
+        self,
+        env: TextEnv | Environment,
+        *,
+        action_field: str = "message",
+        action_cls: type | None = None,
+    ) -> None:
         if isinstance(env, Environment):
             self.env = env
         else:
             self.env = OpenEnvWrapper(env, owns_inner=True)
-        self.action_cls: type = getattr(self.env, "ACTION_CLS", None) or TextAction
+        self.action_cls: type = infer_env_types(self.env, action_cls=action_cls).action
         self.action_field = action_field
         self._closed = False
         # our own wrapper, as it is, takes the text without the action and observation models

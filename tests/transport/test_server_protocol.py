@@ -177,14 +177,15 @@ def test_http_health_metadata_sessions_and_unknown_paths() -> None:
         with urllib.request.urlopen(server.url + "/health", timeout=5) as response:
             assert json.loads(response.read()) == {"status": "healthy"}
         with urllib.request.urlopen(server.url + "/metadata", timeout=5) as response:
-            assert json.loads(response.read()) == {  # OpenEnv's EnvironmentMetadata
-                "name": "echo",
-                "description": (EchoEnv.__doc__ or "").strip()[:200],
-                "readme_content": None,
-                "version": None,
-                "author": None,
-                "documentation_url": None,
-            }
+            metadata = json.loads(response.read())  # OpenEnv's EnvironmentMetadata
+        assert metadata == {
+            "name": "echo",
+            "description": (EchoEnv.__doc__ or "").strip()[:200],
+            "readme_content": None,
+            "version": None,
+            "author": None,
+            "documentation_url": None,
+        }
         with urllib.request.urlopen(server.url + "/sessions", timeout=5) as response:
             assert json.loads(response.read()) == {
                 "name": "echo",

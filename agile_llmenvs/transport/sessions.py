@@ -34,7 +34,7 @@ from websockets.http11 import Request, Response
 from agile_llmenvs.transport._openenv import Environment, deserialize_action
 from agile_llmenvs.transport.calls import CallMode, CallPolicy
 from agile_llmenvs.transport.env_types import EnvTypes, infer_env_types
-from agile_llmenvs.transport.fast_lane import FastLane
+from agile_llmenvs.transport.fast_lane import FastLane, LaneBatcher
 from agile_llmenvs.transport.http import HttpRequest, HttpResponse
 from agile_llmenvs.transport.mcp import parse_rpc
 from agile_llmenvs.transport.protocol import (
@@ -69,13 +69,14 @@ class ServerSettings:
             4x this close the connection (code 1009).
         executor_threads: Threads running sync env calls (None: one per session, up to 256).
         env_calls: Where sync env calls run: ``auto`` (in the thread pool; once an env class
-            has shown its calls are fast, the event loop waits up to ``inline_wait_s`` for
-            each of its calls before it goes on with other sessions; see
-            :mod:`~agile_llmenvs.transport.calls`), ``thread`` (the loop never waits) or
-            ``inline`` (on the event loop itself: fastest, but one slow call stalls every
-            session and no ``env_step_timeout_s`` can stop it).
-        inline_wait_s: Most seconds the event loop waits for one env call in ``auto`` mode:
-            the most one session's env call delays the others.
+            has shown its calls are fast, its calls of one event-loop iteration go together
+            to one worker thread and the loop waits up to ``inline_wait_s`` for them before
+            it goes on with other sessions; see :mod:`~agile_llmenvs.transport.calls` and
+            :mod:`~agile_llmenvs.transport.fast_lane`), ``thread`` (the loop never waits) or
+            ``inline`` (on the event loop itself: one slow call stalls every session and no
+            ``env_step_timeout_s`` can stop it).
+        inline_wait_s: Most seconds the event loop waits for one batch of env calls in
+            ``auto`` mode: the most one session's env call delays the others.
         env_step_timeout_s: Most seconds any env call (reset, step, state) may take; a
             slower one fails with an ``EXECUTION_ERROR`` reply and its session is closed,
             its env discarded (None: no bound). The worker thread stays busy until the call
@@ -145,6 +146,7 @@ class SessionHost:
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="env-session")
         self.calls = CallPolicy(settings.env_calls)
         self.lane = FastLane()
+        self.batcher = LaneBatcher(self.lane, settings.inline_wait_s)
         self.routes = HttpRoutes(self)
         if token is not None and not token:
             raise ValueError(
@@ -401,11 +403,16 @@ class SessionHost:
         if wait is None:  # env_calls="inline": on the loop itself, unbounded
             return _result(call)
         what = method.removesuffix("_frame")
-        if wait > 0 and self.lane.free:  # a call proven fast: wait for it, at most `wait`
-            job = self.lane.run(call, wait)
-            if job.done:
-                return _result(job.result)
-            return await self._settle(job.future(asyncio.get_running_loop()), what)
+        if wait > 0 and self.lane.free:  # proven fast: to the lane, with this iteration's others
+            if self.active_sessions > 1:
+                job = await self.batcher.add(call)
+            else:  # no other session to batch with: hand it over now, saving a loop turn
+                job = self.lane.run(call, wait)
+            if job is not None:
+                if job.done:
+                    return _result(job.result)
+                return await self._settle(job.future(asyncio.get_running_loop()), what)
+            wait = 0.0  # the lane never started it: the thread pool runs it
         future = self.executor.submit(call)
         if wait > 0:
             concurrent.futures.wait((future,), timeout=wait)

@@ -7,6 +7,7 @@ from typing import Any
 from agile_llmenvs.hosting.client import HostedEnvClient
 from agile_llmenvs.hosting.config import HostConfig
 from agile_llmenvs.hosting.pool import EnvHostPool
+from agile_llmenvs.llm_envs.from_spec import unknown_turn_budget
 from agile_llmenvs.llm_envs.harness import RolloutHarness
 from agile_llmenvs.specs import LLMEnvSpec
 
@@ -47,12 +48,16 @@ class HostedHarnessFactory:
         """Start the spec's env hosts and wait until each is ready.
 
         Raises:
-            EnvBuildError: the hosting fields cannot work together, or a host failed to
-                start or was not ready in time.
+            EnvBuildError: the hosting fields cannot work together, a host failed to
+                start or was not ready in time, or the env advertises no turn budget and the
+                spec sets no ``max_turns``.
             OptionalDependencyError: ray is not installed.
         """
         pool = EnvHostPool(HostConfig.from_spec(spec, allow_install=allow_install))
-        max_turns = spec.max_turns or pool.max_turns or 1
+        max_turns = spec.max_turns or pool.max_turns
+        if max_turns is None:
+            pool.close()
+            raise unknown_turn_budget(f"the env {spec.entrypoint!r} on the env hosts")
         return cls(pool, tokenizer, max_turns, settings)
 
     def __call__(self) -> RolloutHarness:

@@ -207,13 +207,22 @@ def resident_bytes(process: psutil.Process) -> int:
 
 
 def _probe_max_turns(sessions: SessionEnvs) -> Any:
-    """Build one env (so a broken entrypoint fails at startup) and read its turn budget."""
+    """Build one env (so a broken entrypoint fails at startup) and read its turn budget, as
+    :func:`~agile_llmenvs.llm_envs.from_spec.env_turn_budget` does (None: an OpenEnv env
+    that advertises none, which the rollout factory then reports)."""
+    from agile_llmenvs.errors import EnvBuildError
+    from agile_llmenvs.llm_envs.from_spec import env_turn_budget
+
     probe = sessions()
-    max_turns = getattr(probe.inner if isinstance(probe, _PortedEnv) else probe, "max_turns", None)
-    close = getattr(probe, "close", None)
-    if callable(close):
-        close()
-    return max_turns
+    env = probe.inner if isinstance(probe, _PortedEnv) else probe
+    try:
+        return env_turn_budget(env, label=type(env).__name__)
+    except EnvBuildError:
+        return None
+    finally:
+        close = getattr(probe, "close", None)
+        if callable(close):
+            close()
 
 
 def _exit_host(used: int, limit: int) -> None:

@@ -16,7 +16,13 @@ from agile_llmenvs.transport.resolve import ensure_env_packages, env_factory
 if TYPE_CHECKING:
     from agile_llmenvs.llm_envs.harness import RolloutHarness
 
-__all__ = ["env_turn_budget", "harness_from_spec", "served_turn_budget", "spec_settings"]
+__all__ = [
+    "env_turn_budget",
+    "harness_from_spec",
+    "served_turn_budget",
+    "spec_settings",
+    "unknown_turn_budget",
+]
 
 _URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
 
@@ -57,7 +63,7 @@ def served_turn_budget(url: str, *, timeout_s: float | None = None) -> int:
         client.reset()  # a session opens on its first reset
         value = client.state().get("max_turns")
     if not value:
-        raise _unknown_budget(f"the env at {url}")
+        raise unknown_turn_budget(f"the env at {url}")
     return int(value)
 
 
@@ -80,11 +86,12 @@ def env_turn_budget(env: Any, *, label: str) -> int:
     env.reset()
     value = getattr(env.state, "max_turns", None)
     if not value:
-        raise _unknown_budget(f"the OpenEnv env {label!r}")
+        raise unknown_turn_budget(f"the OpenEnv env {label!r}")
     return int(value)
 
 
-def _unknown_budget(where: str) -> EnvBuildError:
+def unknown_turn_budget(where: str) -> EnvBuildError:
+    """The error for an env whose turn budget is unknown (``where`` names the env)."""
     return EnvBuildError(
         f"env.max_turns: {where} does not advertise a turn budget (its state has no "
         "`max_turns`), so an episode's length is unknown; set `max_turns` in the manifest's "

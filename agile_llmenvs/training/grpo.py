@@ -310,7 +310,7 @@ def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
     )
     collector = None
     try:
-        collector = _make_collector(manifest, tokenizer, max_model_len, accelerator)
+        collector, max_turns = _make_collector(manifest, tokenizer, max_model_len, accelerator)
         start_step = 0
         if resume:
             start_step, rank_state = load_checkpoint(
@@ -337,7 +337,7 @@ def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
         reference,
         collector,
         sampler,
-        _update_settings(manifest),
+        _update_settings(manifest, max_turns),
         start_step,
         engine,
         keep_checkpoints=config.keep_checkpoints,
@@ -345,9 +345,10 @@ def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
     )
 
 
-def _update_settings(manifest: RunManifest) -> UpdateSettings:
+def _update_settings(manifest: RunManifest, max_turns: int) -> UpdateSettings:
+    """The learning step's settings; ``max_turns`` is the env's turn budget, as the rollout
+    factory found it (the manifest's, or what the env declares)."""
     config = training_spec(manifest)
-    max_turns = getattr(manifest.env, "max_turns", None) or 1
     return UpdateSettings(
         loss_type=config.loss_type,
         clip_eps=config.clip_eps,
@@ -363,21 +364,21 @@ def _update_settings(manifest: RunManifest) -> UpdateSettings:
 
 def _make_collector(
     manifest: RunManifest, tokenizer: Any, max_model_len: int, accelerator: Any
-) -> RolloutCollector:
-    """This rank's collector over the manifest's rollout env."""
+) -> tuple[RolloutCollector, int]:
+    """This rank's collector over the manifest's rollout env, and the env's turn budget."""
     from agile_llmenvs.envs import make_rollout_env_factory
 
     config = training_spec(manifest)
     env_spec = manifest.env
     assert isinstance(env_spec, LLMEnvSpec)  # the manifest validator pairs grpo with rollout
-    env_factory, _ = make_rollout_env_factory(
+    env_factory, max_turns = make_rollout_env_factory(
         env_spec,
         tokenizer,
         max_model_len=max_model_len,
         max_output_tokens=config.max_new_tokens,
         seed=manifest.seed,
     )
-    return RolloutCollector(
+    collector = RolloutCollector(
         env_factory,
         config.batch_size,
         config.group_size,
@@ -386,6 +387,7 @@ def _make_collector(
         world_size=accelerator.num_processes,
         adaptive_task_sampling=env_spec.adaptive_task_sampling,
     )
+    return collector, max_turns
 
 
 def _collect(run: _Run, config: TrainingSpec, seed: int) -> tuple[RolloutBatch, torch.Tensor]:

@@ -96,3 +96,30 @@ def serve(port: int) -> None:
 
 if __name__ == "__main__":
     serve(int(sys.argv[1]))
+
+
+def native_env() -> Any:
+    """An OpenEnv-native env whose state advertises no turn budget (as ``create_app``'s
+    envs do not): hosting it needs ``max_turns`` in the manifest."""
+    from agile_llmenvs.transport._openenv import Action, Environment, Observation, State
+
+    class SayAction(Action):
+        message: str
+
+    class SayObservation(Observation):
+        text: str
+
+    class NativeEnv(Environment):
+        SUPPORTS_CONCURRENT_SESSIONS = True
+
+        def reset(self, seed: Any = None, episode_id: Any = None, **kwargs: Any) -> Any:
+            return SayObservation(text="Say 1.")
+
+        def step(self, action: SayAction, timeout_s: Any = None, **kwargs: Any) -> Any:
+            return SayObservation(text="Say 1.", reward=float(action.message == "1"))
+
+        @property
+        def state(self) -> State:
+            return State()
+
+    return NativeEnv()

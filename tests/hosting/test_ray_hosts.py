@@ -234,6 +234,31 @@ def test_unplaceable_hosts_and_a_broken_env_fail_at_startup(
         make_rollout_env_factory(broken, tokenizer)
 
 
+def test_an_openenv_env_on_hosts_needs_a_turn_budget_in_the_manifest(
+    ray_cluster: None, tokenizer: Any
+) -> None:
+    fields: dict[str, Any] = {
+        "env_type": "rollout",
+        "entrypoint": "host_envs:native_env",
+        "env_hosts": 1,
+        "cpus_per_env_host": 0.5,
+        "action_field": "message",
+    }
+    with pytest.raises(EnvBuildError) as unknown:
+        make_rollout_env_factory(LLMEnvSpec(**fields), tokenizer)
+    assert str(unknown.value) == (
+        "env.max_turns: the env 'host_envs:native_env' on the env hosts does not advertise a "
+        "turn budget (its state has no `max_turns`), so an episode's length is unknown; set "
+        "`max_turns` in the manifest's env section to the turns an episode may take (e.g. "
+        "`max_turns: 3`)"
+    )
+    factory, max_turns = make_rollout_env_factory(LLMEnvSpec(**fields, max_turns=3), tokenizer)
+    try:
+        assert max_turns == 3
+    finally:
+        factory.close()  # type: ignore[attr-defined]
+
+
 def test_resources_env_vars_services_and_ports_reach_the_host(
     ray_cluster: None, tokenizer: Any
 ) -> None:

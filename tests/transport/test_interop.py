@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from echo_envs import EchoEnv
+from serving import UvicornApp
 
 from agile_llmenvs.errors import EnvExecutionError
 from agile_llmenvs.transport import (
@@ -22,31 +20,8 @@ from agile_llmenvs.transport import (
 )
 
 
-class UvicornThread:
-    """OpenEnv's own ``create_app`` server under uvicorn, in a daemon thread."""
-
-    def __init__(self, app: Any) -> None:
-        import uvicorn
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
-        )
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
 @pytest.fixture
-def openenv_server() -> Iterator[UvicornThread]:
+def openenv_server() -> Iterator[UvicornApp]:
     from openenv.core.env_server.http_server import create_app
 
     app = create_app(
@@ -55,7 +30,7 @@ def openenv_server() -> Iterator[UvicornThread]:
         TextObservation,
         max_concurrent_envs=4,
     )
-    served = UvicornThread(app)
+    served = UvicornApp(app)
     yield served
     served.close()
 
@@ -84,7 +59,7 @@ def test_openenv_client_drives_our_server_through_an_episode() -> None:
     assert state["dataset_size"] == 3
 
 
-def test_our_client_drives_openenv_create_app_server(openenv_server: UvicornThread) -> None:
+def test_our_client_drives_openenv_create_app_server(openenv_server: UvicornApp) -> None:
     with RemoteEnvClient(openenv_server.url, timeout_s=10) as client:
         reset = client.reset(seed=9, row_index=0)
         assert reset.prompt == "start seed=9"
@@ -134,7 +109,7 @@ def test_an_openenv_mcp_tool_is_called_through_mcp_tool() -> None:
     from openenv.core.env_server.http_server import create_app
     from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
 
-    served = UvicornThread(
+    served = UvicornApp(
         create_app(_calculator_env, CallToolAction, CallToolObservation, max_concurrent_envs=2)
     )
     try:

@@ -10,9 +10,11 @@ works). ``GET /sessions`` (live and allowed sessions) is ours.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -117,30 +119,20 @@ class HttpRoutes:
         return await answer(request)
 
     async def _reset(self, request: HttpRequest) -> HttpResponse:
-        payload = _json_body(request, default={})
-        if isinstance(payload, HttpResponse):
-            return payload
-        try:
-            reset = ResetRequest.model_validate(payload)
-        except ValidationError as exc:
-            return _unprocessable(exc, "body")
+        reset = _body_model(request, ResetRequest, default={})
+        if isinstance(reset, HttpResponse):
+            return reset
         kwargs = reset.model_dump(exclude_unset=True)
         try:
-            observation = await self._with_fresh_env(
-                lambda env: env, then=lambda env: self.host.reset(env, kwargs)
-            )
+            observation = await self._with_fresh_env(lambda env: self.host.reset(env, kwargs))
         except Exception:
             return _SERVER_ERROR
         return HttpResponse(200, _response(ResetResponse, observation))
 
     async def _step(self, request: HttpRequest) -> HttpResponse:
-        payload = _json_body(request)
-        if isinstance(payload, HttpResponse):
-            return payload
-        try:
-            step = StepRequest.model_validate(payload)
-        except ValidationError as exc:
-            return _unprocessable(exc, "body")
+        step = _body_model(request, StepRequest)
+        if isinstance(step, HttpResponse):
+            return step
         host = self.host
         types = host.types or await self._with_fresh_env(host.types_of)
         try:
@@ -148,9 +140,7 @@ class HttpRoutes:
         except ValidationError as exc:
             return HttpResponse(422, {"detail": _errors(exc)})
         try:
-            observation = await self._with_fresh_env(
-                lambda env: env, then=lambda env: host.step(env, action)
-            )
+            observation = await self._with_fresh_env(lambda env: host.step(env, action))
         except Exception:
             return _SERVER_ERROR
         return HttpResponse(200, _response(StepResponse, observation))
@@ -307,15 +297,13 @@ class HttpRoutes:
 
     # -- helpers -----------------------------------------------------------------------------
 
-    async def _with_fresh_env(self, read: Any, then: Any = None) -> Any:
-        """``read(env)`` (then ``await then(env)``) on a fresh env, closed afterwards."""
+    async def _with_fresh_env(self, use: Callable[[Any], Any]) -> Any:
+        """``use(env)`` (awaited, when it returns an awaitable) on a fresh env, closed after."""
         host = self.host
         env = await host.build_env()
         try:
-            value = read(env)
-            if then is not None:
-                value = await then(value)
-            return value
+            value = use(env)
+            return await value if inspect.isawaitable(value) else value
         finally:
             await host.close_env(env)
 
@@ -363,6 +351,17 @@ def _json_body(request: HttpRequest, default: Any = None) -> Any:
             "ctx": {"error": getattr(exc, "msg", str(exc))},
         }
         return HttpResponse(422, {"detail": [invalid]})
+
+
+def _body_model(request: HttpRequest, model: Any, default: Any = None) -> Any:
+    """The request body as ``model`` (FastAPI's 422 when it is not JSON or not valid)."""
+    payload = _json_body(request, default)
+    if isinstance(payload, HttpResponse):
+        return payload
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        return _unprocessable(exc, "body")
 
 
 def _errors(exc: ValidationError, *prefix: str) -> list[dict[str, Any]]:

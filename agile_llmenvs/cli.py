@@ -124,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
     from agile_llmenvs.training.command import register as register_train
 
     register_train(commands)
+    from agile_llmenvs.viewer.command import register as register_show
+
+    register_show(commands)
     from agile_llmenvs.bench_command import register as register_bench
 
     register_bench(commands)

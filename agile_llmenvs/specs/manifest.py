@@ -184,6 +184,16 @@ class TrainingSpec(BaseModel):
         "newer one is complete); unset: keep all.",
     )
     log_every: int = Field(1, ge=1, description="Steps between progress-bar updates.")
+    log_rollouts_every: int = Field(
+        10,
+        ge=0,
+        description="GRPO: steps between writes of `log_rollouts_count` episodes (token ids, "
+        "provenance, turn ids, rewards, stop reason, decoded text) to "
+        "`output_dir/rollouts.jsonl`, for `agile-llmenvs show` (0: none).",
+    )
+    log_rollouts_count: int = Field(
+        4, ge=1, description="GRPO: episodes written per logged step (the batch's first ones)."
+    )
     tensorboard: bool | None = Field(
         None,
         description="Also write every metric as a TensorBoard scalar to "

@@ -42,6 +42,7 @@ from agile_llmenvs.training.learner import Learner
 from agile_llmenvs.training.losses import group_advantages
 from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
 from agile_llmenvs.training.policy_batch import PolicyBatch, build_policy_batch
+from agile_llmenvs.training.rollout_log import ROLLOUTS_FILE, RolloutLog
 from agile_llmenvs.training.sampling import Sampler
 from agile_llmenvs.training.sharding import GenerationSync, is_sharded
 from agile_llmenvs.training.vllm_engine import PolicyVLLMEngine
@@ -162,13 +163,20 @@ def _train(
 
     config = training_spec(manifest)
     main = run.accelerator.is_main_process
-    writer = None
+    writer = rollouts = None
     if main:
         writer = MetricsWriter(
             output_dir / "metrics.csv",
             GRPO_METRICS,
             resume_step=run.start_step if resume else None,
             tensorboard=config.tensorboard,
+        )
+        rollouts = RolloutLog(
+            output_dir / ROLLOUTS_FILE,
+            run.tokenizer,
+            every=config.log_rollouts_every,
+            count=config.log_rollouts_count,
+            resume_step=run.start_step if resume else None,
         )
     history: list[dict[str, float]] = []
     steps = range(run.start_step, config.max_steps)
@@ -179,7 +187,7 @@ def _train(
         for step in progress:
             # Sampling seeds follow the step, so a resumed run samples what the whole run would.
             seed = (manifest.seed * 1_000_003 + step) * 4096 + run.accelerator.process_index * 64
-            row = _step(run, config, step + 1, seed)
+            row = _step(run, config, step + 1, seed, rollouts)
             row.update(_evaluate(run, step + 1))
             history.append(row)
             if writer is not None:
@@ -205,8 +213,11 @@ def _evaluate(run: _Run, step: int) -> dict[str, float]:
     return run.held_out.run(policy, run.tokenizer, run.accelerator)
 
 
-def _step(run: _Run, config: TrainingSpec, step: int, seed: int) -> dict[str, float]:
-    """One GRPO step: collect, score, learn, and (vLLM) send the new weights to the engine.
+def _step(
+    run: _Run, config: TrainingSpec, step: int, seed: int, rollouts: RolloutLog | None = None
+) -> dict[str, float]:
+    """One GRPO step: collect, score, learn, and (vLLM) send the new weights to the engine;
+    ``rollouts`` (the main process's) then logs a few episodes when the step is due.
 
     ``env_time_s`` is everything but generation, learning and the weight sync: the envs,
     the harness, the collector, advantages and batch building.
@@ -241,6 +252,8 @@ def _step(run: _Run, config: TrainingSpec, step: int, seed: int) -> dict[str, fl
         "dropped_groups": float((~kept_GN.any(dim=1)).sum()),
     }
     measured = {**losses, **timings, "learning_rate": learning_rate}
+    if rollouts is not None:  # after the timings: decoding is not part of the step
+        rollouts.maybe_write(step, rollout.trajectories)
     return _step_row(run, step, rewards_GN, finished_GN, batch, rollout, measured, counts)
 
 

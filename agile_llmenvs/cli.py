@@ -5,46 +5,33 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
-from agile_llmenvs.errors import AgileLLMEnvsError, ManifestError
+from agile_llmenvs.errors import AgileLLMEnvsError, EnvBuildError, ImportPathError, ManifestError
 
 __all__ = ["main"]
 
 
-def _describe(path: Path) -> str:
-    from agile_llmenvs.specs import LLMEnvSpec, load_manifest
-
-    manifest = load_manifest(path)
-    env = manifest.env
-    if isinstance(env, LLMEnvSpec):
-        what = f"{env.env_type} env {env.label!r}"
-        what += f" ({env.objective})" if env.objective else f" from {env.source}"
-    else:
-        name = getattr(env, "env_id", env.name)
-        what = f"{env.env_type} env {name!r} x{env.num_envs}"
-    if manifest.training is not None:
-        what += f", trained with {manifest.training.algorithm}"
-    return f"run {manifest.name!r}: {what}" if manifest.name else what
-
-
 def _validate(args: argparse.Namespace) -> int:
+    from agile_llmenvs.validation import validate_file
+
     status = 0
     for path in args.files:
-        try:
-            print(f"ok    {path}: {_describe(path)}")
-        except ValidationError as exc:
-            status = 1
-            print(f"error {path}: {exc.error_count()} problem(s)", file=sys.stderr)
-            for error in exc.errors():
-                where = ".".join(str(part) for part in error["loc"]) or "(manifest)"
-                print(f"  {where}: {error['msg']}", file=sys.stderr)
-        except (OSError, ManifestError) as exc:
-            status = 1
-            print(f"error {path}: {exc}", file=sys.stderr)
+        result = validate_file(path, check_files=not args.no_files)
+        if result.ok:
+            print(f"ok    {path}: {result.summary}")
+            continue
+        status = 2
+        if result.error is not None:
+            print(f"error {path}: {result.error}", file=sys.stderr)
+            continue
+        print(f"error {path}: {result.kind}, {len(result.problems)} problem(s)", file=sys.stderr)
+        for problem in result.problems:
+            print(f"  {problem}", file=sys.stderr)
     return status
 
 
@@ -64,20 +51,21 @@ def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from agile_llmenvs.transport.resolve import resolve_env
+    from agile_llmenvs.transport.server import OpenEnvServer
 
-    env_config = json.loads(args.env_config) if args.env_config else None
-    url, server = resolve_env(
-        args.entrypoint,
-        env_config,
-        factory=args.factory,
+    if not 0 <= args.port <= 65535:
+        raise ManifestError(f"--port: expected 0..65535 (0: any free port), got {args.port}")
+    make_env, name, sessions = _env_to_serve(args)
+    server = OpenEnvServer(
+        make_env=make_env,
         host=args.host,
         port=args.port,
-        max_concurrent_envs=args.max_concurrent_envs,
+        env_name=name,
+        max_concurrent_envs=args.max_concurrent_envs or sessions or 1,
         advertise_host=args.advertise_host,
         token=args.token,
     )
-    assert server is not None, "serve takes an entrypoint, not a URL"
+    url = server.url
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -91,27 +79,111 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env_to_serve(args: argparse.Namespace) -> tuple[Callable[[], Any], str, int | None]:
+    """What ``serve`` hosts: the env factory (one env already built and closed, so a mistake
+    fails now rather than in every session), the env's name, and a manifest's ``num_envs``."""
+    from agile_llmenvs.transport.resolve import env_factory, text_env_factory
+
+    target: str = args.entrypoint
+    sessions = None
+    if target.lower().endswith((".yaml", ".yml", ".json")):
+        from agile_llmenvs.specs import LLMEnvSpec, load_manifest
+
+        if args.factory is not None or args.env_config is not None:
+            raise ManifestError(
+                f"--factory and --env-config configure an entrypoint; {target} is a manifest: "
+                "set `factory` and `env_config` in its env section instead"
+            )
+        manifest = load_manifest(target)
+        spec = manifest.env
+        if not isinstance(spec, LLMEnvSpec):
+            raise ManifestError(
+                f"env.env_type: {target} declares a {spec.env_type} env; serve hosts text envs "
+                "(env_type: rollout, from an entrypoint or from dataset rows with a rubric)"
+            )
+        make_env = _imported(target, lambda: text_env_factory(spec, seed=manifest.seed))
+        name, sessions = spec.name or spec.label, spec.num_envs
+    else:
+        env_config = _env_config(args.env_config)
+        make_env = _imported(target, lambda: env_factory(target, env_config, factory=args.factory))
+        name = target
+    try:
+        env = make_env()
+    except AgileLLMEnvsError:
+        raise
+    except Exception as exc:  # the env's own constructor: a wrong env_config, say
+        raise EnvBuildError(f"cannot build the env {name!r}: {type(exc).__name__}: {exc}") from exc
+    close = getattr(env, "close", None)
+    if callable(close):
+        close()
+    return make_env, name, sessions
+
+
+def _imported(target: str, resolve: Callable[[], Any]) -> Any:
+    """``resolve()``; a user's module that fails while it imports is named in one line."""
+    try:
+        return resolve()
+    except AgileLLMEnvsError:
+        raise
+    except Exception as exc:
+        raise ImportPathError(f"{target}: importing failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _env_config(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"--env-config: not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise ManifestError(
+            f"--env-config: expected a JSON object of keyword arguments such as "
+            f"'{{\"size\": 3}}', got {type(value).__name__}"
+        )
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="agile-llmenvs", description="The environment layer of LLM reinforcement learning."
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    validate = commands.add_parser("validate", help="check run manifests (YAML or JSON)")
+    validate = commands.add_parser(
+        "validate",
+        help="check run manifests and eval configs (YAML or JSON) without running them",
+        description="Check each file's fields, then the files, imports and model it names "
+        "(nothing is downloaded). Exit 2 when any file has a problem.",
+    )
     validate.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    validate.add_argument(
+        "--no-files",
+        action="store_true",
+        help="check the fields only, not the files, imports and model they name",
+    )
     validate.set_defaults(run=_validate)
     schema = commands.add_parser("schema", help="print the JSON Schema of run manifests")
     schema.add_argument("-o", "--output", type=Path, help="write to this file instead")
     schema.set_defaults(run=_schema)
     serve = commands.add_parser("serve", help="host an env over OpenEnv's WebSocket protocol")
-    serve.add_argument("entrypoint", help="module:Class, or a registry id with --factory")
-    serve.add_argument("--factory", help="module:attr callable that receives the entrypoint")
+    serve.add_argument(
+        "entrypoint",
+        metavar="TARGET",
+        help="module:Class, path/to/envs.py:Class, a registry id with --factory, or a run "
+        "manifest (.yaml/.yml/.json) whose env is a rollout env of an entrypoint or of dataset "
+        "rows with a rubric",
+    )
+    serve.add_argument(
+        "--factory", help="module:attr (or file.py:attr) callable that receives the entrypoint"
+    )
     serve.add_argument("--env-config", help="JSON object of keyword arguments for the env")
     serve.add_argument(
         "--max-concurrent-envs",
         type=int,
         default=None,
-        help="sessions served at once, a fresh env each (default 1)",
+        help="sessions served at once, a fresh env each (default: a manifest's env.num_envs, "
+        "else 1)",
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -160,10 +232,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _one_line(exc: BaseException) -> str:
     """What went wrong, in one line: a validation error's first problem by field."""
     if isinstance(exc, ValidationError):
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "(input)"
+        from agile_llmenvs.validation import problems_of
+
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        return f"{where}: {first['msg']}{more}"
+        return f"{problems_of(exc)[0]}{more}"
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if isinstance(exc, AgileLLMEnvsError) else f"{type(exc).__name__}: {text}"
 

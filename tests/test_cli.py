@@ -34,11 +34,11 @@ def test_validate_reports_every_problem_by_field(
 ) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("env: {env_type: rollout, objective: sft, entrypoint: 'a:B', max_turns: 0}\n")
-    assert main(["validate", str(bad), str(MANIFESTS / "cartpole.yaml")]) == 1
+    assert main(["validate", str(bad), str(MANIFESTS / "cartpole.yaml")]) == 2
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [
-        f"error {bad}: 1 problem(s)",
-        "  env.rollout.max_turns: Input should be greater than or equal to 1",
+        f"error {bad}: run manifest, 1 problem(s)",
+        "  env.max_turns: Input should be greater than or equal to 1",
     ]
     assert captured.out.startswith("ok    ")
 
@@ -46,8 +46,10 @@ def test_validate_reports_every_problem_by_field(
 def test_validate_reports_unreadable_files(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["validate", str(tmp_path / "absent.yaml")]) == 1
-    assert "No such file or directory" in capsys.readouterr().err
+    assert main(["validate", str(tmp_path / "absent.yaml")]) == 2
+    assert capsys.readouterr().err == (
+        f"error {tmp_path / 'absent.yaml'}: cannot read it: No such file or directory\n"
+    )
 
 
 def test_schema_to_stdout_and_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,17 +3,68 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agile_llmenvs.backends.local import LocalChatBackend, cut_at_stop
 from agile_llmenvs.backends.types import Generation, SamplingParams
+from agile_llmenvs.errors import ManifestError
 
 if TYPE_CHECKING:
     from agile_llmenvs.backends._hf_sampling import SampledLogprobs
 
-__all__ = ["HFBackend", "HFConfig"]
+__all__ = ["HFBackend", "HFConfig", "check_model_dir"]
+
+# What the hub accepts as a repo id: `name` or `namespace/name`.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def check_model_dir(path: str | os.PathLike[str], *, field: str = "model_path") -> Path:
+    """Check that ``path`` is a local model directory: one holding ``config.json`` (or the
+    ``adapter_config.json`` of LoRA adapters).
+
+    Nothing is downloaded at run time, so a hub id is never looked up: a path that does not
+    exist locally is an error, which says so when it looks like a hub id.
+
+    Args:
+        path: The model directory.
+        field: The setting that named it (``model.path``), named in the message.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ManifestError: ``path`` does not exist, is not a directory, or holds neither
+            config; the message starts with ``field`` and says how to fix it.
+    """
+    model_dir = Path(path)
+    shown = str(path)
+    if not model_dir.exists():
+        if _HUB_ID.match(shown):
+            raise ManifestError(
+                f"{field}: {shown!r} is not a local directory; if it is a Hugging Face hub id, "
+                "download it first (nothing is downloaded at run time), e.g. `hf download "
+                f"{shown} --local-dir models/{shown.rsplit('/', 1)[-1]}`, and set {field} to "
+                "that directory"
+            )
+        raise ManifestError(
+            f"{field}: {shown!r} does not exist; set it to a local model directory (the "
+            "folder save_pretrained writes, holding config.json)"
+        )
+    if not model_dir.is_dir():
+        raise ManifestError(
+            f"{field}: {shown!r} is a file; set it to the model's directory (the folder "
+            "save_pretrained writes, holding config.json)"
+        )
+    if not any((model_dir / name).is_file() for name in ("config.json", "adapter_config.json")):
+        raise ManifestError(
+            f"{field}: {shown!r} holds no config.json, so it is not a model directory; set it "
+            "to the folder save_pretrained writes"
+        )
+    return model_dir
 
 
 @dataclass(frozen=True)
@@ -47,11 +98,16 @@ class HFBackend(LocalChatBackend):
     Args:
         model_path: A local directory (or hub name, when the hub is reachable) of the model.
         config: How to load it; defaults to CPU and the checkpoint's dtype.
+
+    Raises:
+        ManifestError: ``model_path`` is not a local model directory (nothing is downloaded;
+            see :func:`check_model_dir`).
     """
 
     def __init__(self, model_path: str | os.PathLike[str], *, config: HFConfig | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        check_model_dir(model_path)
         config = config or HFConfig()
         tokenizer = AutoTokenizer.from_pretrained(
             model_path, trust_remote_code=config.trust_remote_code

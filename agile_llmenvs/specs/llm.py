@@ -97,7 +97,8 @@ class LLMEnvSpec(BaseModel):
     entrypoint: str | None = Field(
         None,
         min_length=1,
-        description="Env to build: a registry id (with `factory`) or your own `module:Class`.",
+        description="Env to build: a registry id (with `factory`), or your own `module:Class` "
+        "or `path/to/envs.py:Class`.",
     )
     factory: ImportPath | None = _d("`module:attr` callable that receives the `entrypoint` id.")
     env_config: dict[str, Any] | None = _d("Leftover keyword arguments for the env.")

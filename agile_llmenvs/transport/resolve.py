@@ -17,14 +17,36 @@ from agile_llmenvs.transport.server import OpenEnvServer
 
 if TYPE_CHECKING:
     from agile_llmenvs.llm_envs.contract import TextEnv
+    from agile_llmenvs.specs import LLMEnvSpec
 
-__all__ = ["ensure_env_packages", "env_factory", "resolve_env", "spec_to_factory"]
+__all__ = [
+    "ensure_env_packages",
+    "env_factory",
+    "load_entrypoint",
+    "resolve_env",
+    "spec_to_factory",
+    "text_env_factory",
+]
 
 _URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
 
 
+def load_entrypoint(path: str) -> Any:
+    """The object an entrypoint names: ``module:attr``, or ``path/to/file.py:attr`` (the
+    attribute of that Python file, loaded as a gym manifest's ``path`` is).
+
+    Raises:
+        ImportPathError: the module, file or attribute does not exist.
+    """
+    file, sep, attr = path.rpartition(":")
+    if sep and file.endswith(".py"):
+        return load_object(attr, file=file)
+    return load_object(path)
+
+
 def spec_to_factory(spec: str) -> Callable[..., TextEnv]:
-    """Resolve a ``module:attr`` constructor path to the callable that builds the env.
+    """Resolve a constructor path, ``module:attr`` or ``path/to/file.py:attr``, to the callable
+    that builds the env.
 
     Registry ids (``game:GuessTheNumber-v0-easy``, ``CartPole-v1``) are not constructors:
     pass those as the entrypoint of a separate ``factory`` (see :func:`env_factory`).
@@ -33,11 +55,13 @@ def spec_to_factory(spec: str) -> Callable[..., TextEnv]:
         ImportPathError: the path does not resolve to a callable.
     """
     try:
-        target = load_object(spec)
+        target = load_entrypoint(spec)
     except ImportPathError as exc:
+        text = str(exc)
         raise ImportPathError(
-            f"{exc}. If {spec!r} is a registry id rather than a 'module:Class' path, pass it "
-            "as the entrypoint with a factory that builds it, e.g. factory='gem:make'"
+            f"{text}{' ' if text.endswith(('.', '?')) else '. '}If {spec!r} is a registry id "
+            "rather than a 'module:Class' path, pass it as the entrypoint with a factory that "
+            "builds it, e.g. factory='gem:make'"
         ) from exc
     if not callable(target):
         raise ImportPathError(f"{spec!r} resolves to a {type(target).__name__}, not a callable")
@@ -51,16 +75,62 @@ def env_factory(
 
     With ``factory``, the env is ``factory(entrypoint, **env_config)`` (a registry id handed
     to, say, ``gem:make``); without, ``entrypoint`` is a ``module:Class`` path called with
-    ``**env_config``.
+    ``**env_config``. Either path may name a Python file instead: ``path/to/envs.py:MyEnv``.
     """
     kwargs = dict(env_config or {})
     if factory is not None:
-        make = load_object(factory)
+        make = load_entrypoint(factory)
         if not callable(make):
             raise ImportPathError(f"factory {factory!r} is not callable")
         return lambda: make(entrypoint, **kwargs)
     constructor = spec_to_factory(entrypoint)
     return lambda: constructor(**kwargs)
+
+
+def text_env_factory(
+    spec: LLMEnvSpec, *, seed: int = 0, allow_install: bool = False
+) -> Callable[[], TextEnv]:
+    """A zero-argument callable building a fresh text env of a rollout spec per call: what a
+    server hosts for it.
+
+    An ``entrypoint`` env is built as :func:`env_factory` builds it (after its
+    ``env_packages`` are checked); a dataset-backed env is a single-turn
+    :class:`~agile_llmenvs.llm_envs.rubric.RubricEnv` over the train rows (split by ``seed``,
+    as training splits them), scored by the spec's rubric.
+
+    Raises:
+        EnvBuildError: the spec is not a rollout env of one of those sources (an ``env_url``
+            is hosted already; an ``env_image`` runs as its own Pod), its rows or rubric
+            cannot be loaded, or its ``env_packages`` are missing.
+        ImportPathError: the entrypoint or factory does not resolve.
+    """
+    if spec.env_type != "rollout":
+        raise EnvBuildError(
+            f"env.env_type: {spec.label!r} is a dataset env (teacher-forced rows); only rollout "
+            "envs have episodes to host"
+        )
+    if spec.source == "entrypoint":
+        assert spec.entrypoint is not None  # the source says so
+        ensure_env_packages(spec.env_packages, allow_install=allow_install)
+        return env_factory(spec.entrypoint, spec.env_config, factory=spec.factory)
+    if spec.source == "dataset":
+        from agile_llmenvs.llm_envs.rows import load_rows
+        from agile_llmenvs.llm_envs.rubric import RubricEnv, load_rubric
+
+        assert spec.rubric_file_path is not None  # the spec guarantees a rubric with rows
+        rubric = load_rubric(spec.rubric_file_path, spec.rubric_name)
+        rows = load_rows(spec, seed)[0].to_list()
+        template, max_reward = spec.prompt_template, spec.max_reward
+        return lambda: RubricEnv(rows, rubric, prompt_template=template, max_reward=max_reward)
+    where = (
+        f"is already hosted at {', '.join(spec.env_urls)}"
+        if spec.source == "env_url"
+        else f"{spec.env_image!r} runs as its own Pod, placed by the Ray runtime"
+    )
+    raise EnvBuildError(
+        f"env.{spec.source}: this env {where}; hosting needs an `entrypoint` or dataset rows "
+        "with a rubric"
+    )
 
 
 def resolve_env(
@@ -84,7 +154,8 @@ def resolve_env(
     ``batch_size * group_size`` (+1 for a lazily built eval env).
 
     Args:
-        spec: A URL, a ``module:Class`` entrypoint, or a registry id used with ``factory``.
+        spec: A URL, a ``module:Class`` (or ``file.py:Class``) entrypoint, or a registry id
+            used with ``factory``.
         env_config: Keyword arguments for the env.
         factory: ``module:attr`` callable receiving ``spec`` (e.g. ``gem:make``).
         host: Interface the server binds.

@@ -1,0 +1,190 @@
+"""`agile-llmenvs serve`: a manifest's env or an entrypoint (a module or a file) hosted over
+OpenEnv's WebSocket protocol; a user's mistake is one line and exit 2, --debug shows why."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from agile_llmenvs.cli import main
+from agile_llmenvs.transport import RemoteEnvClient
+
+TESTS = Path(__file__).resolve().parent
+MANIFESTS = TESTS.parent / "manifests"
+DEBUG = " (--debug shows the traceback)"
+GUESS_ENV = '''
+class GuessEnv:
+    """Guess the secret digit; two tries."""
+
+    max_turns = 2
+
+    def __init__(self, secret: int = 3) -> None:
+        self.secret = secret
+
+    def reset(self, *, seed=None, **task):
+        return "Guess my digit.", {}
+
+    def step(self, action):
+        right = action.strip() == str(self.secret)
+        return ("Right!" if right else "Wrong."), float(right), right, False, {}
+
+    def close(self):
+        pass
+'''
+
+
+def _command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "agile_llmenvs", "serve", *args]
+
+
+def _env() -> dict[str, str]:
+    """The tests' envs importable, offline."""
+    path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
+
+
+@contextmanager
+def _served(*args: str, cwd: Path) -> Iterator[str]:
+    """``agile-llmenvs serve ARGS --port 0`` as a process in ``cwd``; yields its URL, then stops
+    it with SIGTERM and checks that it exits 0."""
+    proc = subprocess.Popen(
+        _command(*args, "--port", "0"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env=_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        line = proc.stdout.readline()
+        if not line.startswith("serving "):
+            proc.kill()
+            pytest.fail(f"serve did not start: {line!r} {proc.stderr.read()!r}")
+        assert line.startswith(f"serving {args[0]} at http://127.0.0.1:")
+        yield line.split(" at ", 1)[1].split(" ", 1)[0]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A folder holding ``envs/guess.py`` and a manifest whose env is its GuessEnv."""
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "envs" / "guess.py").write_text(GUESS_ENV)
+    (tmp_path / "guess.yaml").write_text(
+        "env:\n"
+        "  env_type: rollout\n"
+        "  entrypoint: envs/guess.py:GuessEnv\n"
+        "  env_config: {secret: 5}\n"
+    )
+    return tmp_path
+
+
+def test_serves_the_entrypoint_env_of_a_manifest(project: Path) -> None:
+    with _served("guess.yaml", cwd=project) as url, RemoteEnvClient(url, timeout_s=30) as client:
+        assert client.reset().prompt == "Guess my digit."
+        reply = client.step("5")
+        assert (reply.prompt, reply.reward, reply.done) == ("Right!", 1.0, True)
+
+
+def test_serves_the_dataset_env_of_a_manifest(tmp_path: Path) -> None:
+    manifest = str(MANIFESTS / "rollout_digits.yaml")
+    with _served(manifest, cwd=tmp_path) as url, RemoteEnvClient(url, timeout_s=30) as client:
+        assert client.reset(row_index=3).prompt == "Say the digit 3."
+        reply = client.step("3")
+        assert (reply.reward, reply.done) == (1.0, True)
+
+
+def test_serves_a_file_entrypoint(project: Path) -> None:
+    args = ("envs/guess.py:GuessEnv", "--env-config", '{"secret": 7}')
+    with _served(*args, cwd=project) as url, RemoteEnvClient(url, timeout_s=30) as client:
+        client.reset()
+        assert client.step("7").reward == 1.0
+
+
+def test_each_mistake_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "invalid.yaml").write_text(
+        "env: {env_type: rollout, entrypoint: 'a:B', max_turns: 0}\n"
+    )
+    cartpole, remote = MANIFESTS / "cartpole.yaml", MANIFESTS / "rollout_remote.yaml"
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = {
+            ("absent_pkg.envs:MyEnv",): (
+                "'absent_pkg.envs:MyEnv': cannot import module 'absent_pkg.envs' (No module "
+                "named 'absent_pkg'); is its package installed and on PYTHONPATH? If "
+                "'absent_pkg.envs:MyEnv' is a registry id rather than a 'module:Class' path, "
+                "pass it as the entrypoint with a factory that builds it, e.g. factory='gem:make'"
+            ),
+            ("echo-v0", "--factory", "echo_envs:maker"): (
+                "'echo_envs:maker': echo_envs has no attribute 'maker'. Did you mean 'make'?"
+            ),
+            ("echo_envs:EchoEnv", "--env-config", '{"greting": "hi"}'): (
+                "cannot build the env 'echo_envs:EchoEnv': TypeError: EchoEnv.__init__() got an "
+                "unexpected keyword argument 'greting'"
+            ),
+            ("echo_envs:EchoEnv", "--env-config", "[1]"): (
+                "--env-config: expected a JSON object of keyword arguments such as "
+                "'{\"size\": 3}', got list"
+            ),
+            ("echo_envs:EchoEnv", "--port", str(port)): (
+                f"cannot bind the env server to 127.0.0.1:{port}: [Errno 98] Address already in use"
+            ),
+            ("echo_envs:EchoEnv", "--port", "70000"): (
+                "--port: expected 0..65535 (0: any free port), got 70000"
+            ),
+            ("invalid.yaml",): "env.max_turns: Input should be greater than or equal to 1",
+            (str(cartpole),): (
+                f"env.env_type: {cartpole} declares a gym env; serve hosts text envs (env_type: "
+                "rollout, from an entrypoint or from dataset rows with a rubric)"
+            ),
+            (str(remote),): (
+                "env.env_url: this env is already hosted at ws://127.0.0.1:8000; hosting needs an "
+                "`entrypoint` or dataset rows with a rubric"
+            ),
+            (str(remote), "--env-config", "{}"): (
+                f"--factory and --env-config configure an entrypoint; {remote} is a manifest: set "
+                "`factory` and `env_config` in its env section instead"
+            ),
+        }
+        for args, message in cases.items():
+            assert main(["serve", *args]) == 2, args
+            assert capsys.readouterr().err == f"error: {message}{DEBUG}\n"
+
+
+def test_a_mistake_exits_2_as_a_process_and_debug_shows_the_traceback(tmp_path: Path) -> None:
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "envs" / "broken.py").write_text("import absent_dependency\n")
+    run = {"capture_output": True, "text": True, "timeout": 300, "cwd": tmp_path, "env": _env()}
+    done = subprocess.run(_command("envs/broken.py:MyEnv"), check=False, **run)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        "error: envs/broken.py:MyEnv: importing failed: ModuleNotFoundError: No module named "
+        f"'absent_dependency'{DEBUG}\n"
+    )
+    done = subprocess.run(_command("envs/broken.py:MyEnv", "--debug"), check=False, **run)
+    assert done.returncode == 1
+    assert done.stderr.startswith("Traceback (most recent call last):\n")
+    assert done.stderr.endswith(
+        "agile_llmenvs.errors.ImportPathError: envs/broken.py:MyEnv: importing failed: "
+        "ModuleNotFoundError: No module named 'absent_dependency'\n"
+    )

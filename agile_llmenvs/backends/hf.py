@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +97,9 @@ class HFBackend(LocalChatBackend):
     as a repetition penalty, which then shapes both what is sampled and what is recorded.)
 
     Args:
-        model_path: A local directory (or hub name, when the hub is reachable) of the model.
+        model_path: A local directory (or hub name, when the hub is reachable) of the model,
+            or of LoRA adapters in peft's layout (a LoRA run's checkpoint ``model/``): they are
+            loaded onto the base model their ``adapter_config.json`` names and merged in.
         config: How to load it; defaults to CPU and the checkpoint's dtype.
 
     Raises:
@@ -112,9 +115,7 @@ class HFBackend(LocalChatBackend):
         tokenizer = AutoTokenizer.from_pretrained(
             model_path, trust_remote_code=config.trust_remote_code
         )
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=config.dtype, trust_remote_code=config.trust_remote_code
-        )
+        model: Any = _load_model(AutoModelForCausalLM, model_path, config)
         self._init(model.to(config.device).eval(), tokenizer)
 
     @classmethod
@@ -222,6 +223,27 @@ class HFBackend(LocalChatBackend):
             text=text,
             finish_reason="stop" if stopped else "length",
         )
+
+
+def _load_model(auto_class: Any, model_path: str | os.PathLike[str], config: HFConfig) -> Any:
+    """The model at ``model_path``; a folder of LoRA adapters is merged into its base model."""
+    kwargs = {"dtype": config.dtype, "trust_remote_code": config.trust_remote_code}
+    adapters = os.path.join(model_path, "adapter_config.json")
+    if not os.path.isfile(adapters):
+        return auto_class.from_pretrained(model_path, **kwargs)
+    try:
+        from peft import PeftConfig, PeftModel
+    except ImportError as exc:
+        from agile_llmenvs.errors import OptionalDependencyError
+
+        raise OptionalDependencyError(
+            "peft", extra="train", feature=f"loading the LoRA adapters in {model_path}"
+        ) from exc
+    base_path = PeftConfig.from_pretrained(os.fspath(model_path)).base_model_name_or_path
+    base = auto_class.from_pretrained(base_path, **kwargs)
+    with warnings.catch_warnings():  # peft asks transformers 5 a question it has renamed
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+        return PeftModel.from_pretrained(base, model_path).merge_and_unload()
 
 
 def _sampler(params: SamplingParams) -> SampledLogprobs:

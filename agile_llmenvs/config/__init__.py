@@ -21,6 +21,7 @@ from agile_llmenvs.config.models import (
     EvalConfig,
     InferenceConfig,
     ModelConfig,
+    ResultsConfig,
 )
 
 __all__ = [
@@ -31,5 +32,6 @@ __all__ = [
     "EvalConfig",
     "InferenceConfig",
     "ModelConfig",
+    "ResultsConfig",
     "create_sampling_params",
 ]

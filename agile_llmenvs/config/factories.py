@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from agile_llmenvs.backends.api import APIConfig, RetryPolicy
 from agile_llmenvs.backends.types import Backend, SamplingParams
 from agile_llmenvs.config.models import TINY_MODEL, EnvironmentConfig, InferenceConfig, ModelConfig
 from agile_llmenvs.core.text_env import TextEnvironment, from_text_env
+from agile_llmenvs.errors import BackendError, CheckpointError, EnvBuildError
 
-__all__ = ["BackendFactory", "EnvironmentFactory", "create_sampling_params"]
+if TYPE_CHECKING:
+    from agile_llmenvs.llm_envs.contract import TextEnv
+
+__all__ = ["BackendFactory", "EnvironmentFactory", "create_sampling_params", "model_directory"]
 
 
 class EnvironmentFactory:
@@ -19,13 +26,14 @@ class EnvironmentFactory:
     def create(config: EnvironmentConfig) -> TextEnvironment:
         """A state-passing environment that can run many episodes at once.
 
-        reasoning-gym envs are pure-step (one deterministic scoring step); an entry-point
-        env is when ``config.pure_step`` says so. Branch it with
+        reasoning-gym envs are pure-step (one deterministic scoring step); entry-point and
+        manifest envs are when ``config.pure_step`` says so. Branch it with
         ``BranchManager.create(env, strategy=config.branching_strategy)``.
 
         Raises:
             OptionalDependencyError: The env's source package is not installed.
-            EnvBuildError: The source cannot build the env.
+            EnvBuildError: The source cannot build the env (a manifest without a rollout
+                env of dataset rows or an entrypoint, say).
             ImportPathError: ``entry_point`` does not resolve.
         """
         if config.source == "reasoning_gym":
@@ -35,6 +43,10 @@ class EnvironmentFactory:
                 config.name, size=config.size, seed=config.seed, **config.env_config
             )
             return from_text_env(factory, name=config.name, pure_step=True)
+        if config.source == "manifest":
+            assert config.manifest is not None  # the model validator guarantees it
+            make = _manifest_env_factory(config.manifest, config.split)
+            return from_text_env(make, name=config.name, pure_step=config.pure_step)
         from agile_llmenvs._imports import load_object
 
         assert config.entry_point is not None  # the model validator guarantees it
@@ -81,18 +93,90 @@ class BackendFactory:
         return backend
 
 
+def _manifest_env_factory(path: str, split: str) -> Callable[[], TextEnv]:
+    """Fresh text envs of the rollout env a training manifest declares, as it trains on it."""
+    from agile_llmenvs.specs import LLMEnvSpec, load_manifest
+
+    try:
+        manifest = load_manifest(path)
+    except FileNotFoundError as exc:
+        raise EnvBuildError(f"manifest: {path!r} does not exist") from exc
+    spec = manifest.env
+    if not isinstance(spec, LLMEnvSpec) or spec.env_type != "rollout":
+        raise EnvBuildError(
+            f"manifest: {path} declares a {spec.env_type} env; evaluation plays rollout envs "
+            "(env_type: rollout, with dataset rows and a rubric, or an entrypoint)"
+        )
+    if spec.source == "dataset":
+        from agile_llmenvs.llm_envs.rows import load_rows
+        from agile_llmenvs.llm_envs.rubric import RubricEnv, load_rubric
+
+        assert spec.rubric_file_path is not None  # the spec guarantees a rubric with rows
+        rubric = load_rubric(spec.rubric_file_path, spec.rubric_name)
+        train, test = load_rows(spec, manifest.seed or 0)  # the split training made
+        rows = (train if split == "train" else test).to_list()
+        if not rows:
+            raise EnvBuildError(f"manifest: {path} has no {split} rows to evaluate on")
+        template, max_reward = spec.prompt_template, spec.max_reward
+        return lambda: RubricEnv(rows, rubric, prompt_template=template, max_reward=max_reward)
+    if spec.source == "entrypoint" and spec.entrypoint is not None:
+        from agile_llmenvs.transport.resolve import env_factory
+
+        return env_factory(spec.entrypoint, spec.env_config, factory=spec.factory)
+    raise EnvBuildError(
+        f"manifest: {path} plays a served env ({spec.source}); evaluate it with "
+        "source: entry_point, or give the manifest dataset rows or an entrypoint"
+    )
+
+
+_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
+
+
+def model_directory(model: str) -> str:
+    """The model folder a local backend loads for ``model``.
+
+    A training run's ``output_dir`` (it holds ``checkpoint-<step>`` folders) stands for its
+    newest complete checkpoint, and a ``checkpoint-<step>`` folder for the model it saved
+    (its ``model/``: full weights, or a LoRA run's adapters); anything else is returned as it
+    is (a model folder, or a hub name).
+
+    Raises:
+        CheckpointError: ``model`` is a run folder with no complete checkpoint.
+    """
+    folder = Path(model)
+    if _CHECKPOINT.match(folder.name) and (folder / "model").is_dir():
+        return str(folder / "model")
+    if folder.is_dir() and any(p.name.startswith("checkpoint-") for p in folder.iterdir()):
+        from agile_llmenvs.training.checkpoint import find_checkpoint
+
+        found = find_checkpoint(folder)
+        if found is None:
+            raise CheckpointError(
+                f"model: the run folder {model} has no complete checkpoint (only partial or "
+                "damaged ones); name a checkpoint-<step> folder, or train until one is saved"
+            )
+        return str(found.directory / "model")
+    return model
+
+
 def _local_backend(config: ModelConfig) -> Backend:
     model_path: str = config.model
     if model_path == TINY_MODEL:
         from agile_llmenvs.tiny_model import ensure_tiny_model
 
         model_path = str(ensure_tiny_model())
+    model_path = model_directory(model_path)
     if config.backend == "huggingface":
         from agile_llmenvs.backends.hf import HFBackend, HFConfig
 
         return HFBackend(model_path, config=HFConfig(device=config.device, dtype=config.dtype))
     from agile_llmenvs.backends.vllm import VLLMBackend, VLLMConfig
 
+    if (Path(model_path) / "adapter_config.json").is_file():
+        raise BackendError(
+            f"model: {model_path} holds LoRA adapters, and the vllm backend loads whole models; "
+            "evaluate it with backend: huggingface (which merges them into the base model)"
+        )
     vllm_config = VLLMConfig(
         dtype=config.dtype,
         max_model_len=config.max_model_len,

@@ -23,6 +23,7 @@ __all__ = [
     "EvalConfig",
     "InferenceConfig",
     "ModelConfig",
+    "ResultsConfig",
 ]
 
 #: The ``model`` name that stands for the package's built-in tiny model (built offline).
@@ -36,16 +37,31 @@ class EnvironmentConfig(BaseModel):
 
     ``source: reasoning_gym`` (the default) builds ``size`` procedurally generated tasks of
     the reasoning-gym dataset ``name`` (needs the ``envs`` extra); ``source: entry_point``
-    imports ``entry_point`` (a ``TextEnv`` class or factory) and calls it with ``env_config``.
+    imports ``entry_point`` (a ``TextEnv`` class or factory) and calls it with ``env_config``;
+    ``source: manifest`` plays the rollout env of the training manifest ``manifest`` (its
+    dataset rows and rubric, or its entrypoint), so a trained checkpoint is scored on the
+    task it was trained on. At most ``size`` tasks run (fewer when the env has fewer).
     """
 
     model_config = _STRICT
 
     name: str = Field(min_length=1, description="Dataset name, or a label for an entry point.")
-    source: Literal["reasoning_gym", "entry_point"] = "reasoning_gym"
-    size: int = Field(100, ge=1, description="How many tasks to build and run.")
+    source: Literal["reasoning_gym", "entry_point", "manifest"] = "reasoning_gym"
+    size: int = Field(100, ge=1, description="How many tasks to build and run (at most).")
     seed: int = Field(0, description="Seed of the generated tasks.")
     entry_point: ImportPath | None = Field(None, description="'module:attr' of a TextEnv.")
+    manifest: str | None = Field(
+        None,
+        min_length=1,
+        description="A training manifest (YAML/JSON) whose rollout env to play, for "
+        "source: manifest; a relative path is looked up next to the eval config, then in the "
+        "working directory.",
+    )
+    split: Literal["train", "test"] = Field(
+        "train",
+        description="source: manifest with dataset rows: the rows trained on, or the held-out "
+        "test rows (the manifest's train_test_split, or the dataset's own).",
+    )
     env_config: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for the dataset or entry point."
     )
@@ -69,8 +85,12 @@ class EnvironmentConfig(BaseModel):
     def _entry_point_matches_source(self) -> EnvironmentConfig:
         if self.source == "entry_point" and self.entry_point is None:
             raise ValueError("source 'entry_point' needs entry_point: 'package.module:attr'")
-        if self.source == "reasoning_gym" and self.entry_point is not None:
+        if self.source != "entry_point" and self.entry_point is not None:
             raise ValueError("entry_point is only read with source: entry_point")
+        if self.source == "manifest" and self.manifest is None:
+            raise ValueError("source 'manifest' needs manifest: path/to/training-manifest.yaml")
+        if self.source != "manifest" and self.manifest is not None:
+            raise ValueError("manifest is only read with source: manifest")
         return self
 
 
@@ -84,7 +104,13 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True, protected_namespaces=())
 
     backend: Literal["huggingface", "vllm", "openai", "anthropic", "openrouter"]
-    model: str = Field(min_length=1, description=f"Name or local path; {TINY_MODEL!r} is built in.")
+    model: str = Field(
+        min_length=1,
+        description=f"Name or local path; {TINY_MODEL!r} is built in. A local backend also "
+        "takes a training run: its output_dir (the newest complete checkpoint) or one "
+        "checkpoint-<step> folder (full weights, or LoRA adapters on their base model). A "
+        "relative path is looked up next to the eval config, then in the working directory.",
+    )
     base_url: str | None = None
     api_key_env: str | None = None
     max_concurrency: int = Field(64, ge=1, description="API requests in flight at once.")
@@ -113,6 +139,26 @@ class InferenceConfig(BaseModel):
     seed: int | None = None
 
 
+#: The default cut of texts in a results file (characters per action or message).
+MAX_RESULT_TEXT_CHARS = 500
+
+
+class ResultsConfig(BaseModel):
+    """What a results file (``eval --output``) holds for each trajectory."""
+
+    model_config = _STRICT
+
+    max_text_chars: int | None = Field(
+        MAX_RESULT_TEXT_CHARS,
+        ge=1,
+        description="Cut each action and message text to this many characters, marked "
+        "'…[+N chars]'; null keeps whole texts.",
+    )
+    token_ids: bool = Field(
+        False, description="Also write each action's sampled token ids (local backends)."
+    )
+
+
 class EvalConfig(BaseModel):
     """A whole evaluation: what to run, with which model, and how to sample."""
 
@@ -123,10 +169,14 @@ class EvalConfig(BaseModel):
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     batch_size: int | None = Field(None, ge=1, description="Trajectories per lock-step batch.")
     system_prompt: str | None = None
+    results: ResultsConfig = Field(default_factory=ResultsConfig)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> EvalConfig:
         """Load and validate a YAML config.
+
+        Relative paths (an environment's ``manifest``, a local ``model``) are looked up
+        next to the config first, then in the working directory, as in run manifests.
 
         Raises:
             ManifestError: The file cannot be read or is not a YAML mapping.
@@ -144,4 +194,20 @@ class EvalConfig(BaseModel):
                 f"{source} must hold a YAML mapping (environments, model, ...), "
                 f"got {type(data).__name__}"
             )
-        return cls.model_validate(data)
+        return cls.model_validate(data)._with_paths_from(source.parent)
+
+    def _with_paths_from(self, base: Path) -> EvalConfig:
+        """This config with relative paths that exist under ``base`` made to point there."""
+
+        def near(value: str) -> str:
+            local = base / value
+            return str(local) if not Path(value).is_absolute() and local.exists() else value
+
+        environments = [
+            e.model_copy(update={"manifest": near(e.manifest)}) if e.manifest else e
+            for e in self.environments
+        ]
+        model = self.model
+        if model.backend in ("huggingface", "vllm"):
+            model = model.model_copy(update={"model": near(model.model)})
+        return self.model_copy(update={"environments": environments, "model": model})

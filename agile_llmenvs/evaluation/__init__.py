@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from agile_llmenvs.evaluation.multi import MultiEvalEntry, run_evaluation, run_multi_evaluation
 from agile_llmenvs.evaluation.results import BatchResult, StopReason, Trajectory, Turn
-from agile_llmenvs.evaluation.runner import ProgressCallback, RunnerConfig, TrajectoryRunner
+from agile_llmenvs.evaluation.runner import (
+    Progress,
+    ProgressCallback,
+    RunnerConfig,
+    StepCallback,
+    TrajectoryRunner,
+)
 from agile_llmenvs.evaluation.segmented import (
     COMPLETE,
     ContinuationStrategy,
@@ -26,12 +32,14 @@ __all__ = [
     "ContinuationStrategy",
     "ForceAction",
     "MultiEvalEntry",
+    "Progress",
     "ProgressCallback",
     "RunnerConfig",
     "SegmentBudget",
     "SegmentContext",
     "SegmentSignal",
     "SegmentedTrajectoryRunner",
+    "StepCallback",
     "StopReason",
     "Trajectory",
     "TrajectoryRunner",

@@ -2,21 +2,27 @@
 
 Every environment of the config runs in one interleaved lock-step loop
 (:func:`run_multi_evaluation`), so each step is one backend call across all of them.
+``--limit`` and ``--max-tokens`` shorten a run without editing the config; ``--model`` swaps
+the model (a training run's folder or checkpoint, say).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.evaluation.results import BatchResult
+
+if TYPE_CHECKING:
+    from agile_llmenvs.config import EvalConfig, ResultsConfig
 
 __all__ = ["format_table", "register", "run_eval_command"]
 
@@ -32,6 +38,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--batch-size", type=int, default=None, help="override the config's batch_size"
+    )
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run only the first N tasks of each environment",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="override the config's inference.max_tokens (tokens generated per step)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="MODEL",
+        help="override the config's model.model: a model folder, a training run's output_dir "
+        "(its newest checkpoint) or a checkpoint-<step> folder, for a local backend",
+    )
+    parser.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="write each action's sampled token ids into --output (results.token_ids)",
     )
     parser.set_defaults(run=run_eval_command)
 
@@ -51,64 +83,110 @@ def run_eval_command(args: argparse.Namespace) -> int:
     except AgileLLMEnvsError as exc:
         print(f"error {args.config}: {exc}", file=sys.stderr)
         return 1
-    if args.batch_size is not None and args.batch_size < 1:
-        print(f"error: --batch-size must be >= 1, got {args.batch_size}", file=sys.stderr)
-        return 1
+    for flag in ("batch_size", "limit", "max_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            print(f"error: --{flag.replace('_', '-')} must be >= 1, got {value}", file=sys.stderr)
+            return 1
+    config = _with_overrides(config, args)
     try:
-        results = _evaluate(config, args.batch_size or config.batch_size)
+        results = _evaluate(config, args.batch_size or config.batch_size, args.limit)
     except AgileLLMEnvsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(format_table(results))
     if args.output is not None:
-        payload = {"config": config.model_dump(mode="json"), **_report(results)}
+        payload = {
+            "config": config.model_dump(mode="json"),
+            "limit": args.limit,
+            **_report(results, config.results),
+        }
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.output}")
     return 0
 
 
-def _evaluate(config: Any, batch_size: int | None) -> list[BatchResult]:
-    from tqdm import tqdm
+def _with_overrides(config: EvalConfig, args: argparse.Namespace) -> EvalConfig:
+    """``config`` with the command line's overrides applied (and so recorded in results)."""
+    if args.max_tokens is not None:
+        inference = config.inference.model_copy(update={"max_tokens": args.max_tokens})
+        config = config.model_copy(update={"inference": inference})
+    if args.model is not None:
+        config = config.model_copy(
+            update={"model": config.model.model_copy(update={"model": args.model})}
+        )
+    if args.token_ids:
+        results = config.results.model_copy(update={"token_ids": True})
+        config = config.model_copy(update={"results": results})
+    return config
 
+
+def _evaluate(config: EvalConfig, batch_size: int | None, limit: int | None) -> list[BatchResult]:
     from agile_llmenvs.config import BackendFactory, EnvironmentFactory, create_sampling_params
     from agile_llmenvs.evaluation.multi import MultiEvalEntry, run_multi_evaluation
+    from agile_llmenvs.evaluation.progress import ProgressDisplay
     from agile_llmenvs.evaluation.runner import RunnerConfig, TrajectoryRunner
 
-    environments = [EnvironmentFactory.create(e) for e in config.environments]
-    backend = BackendFactory.create(config.model)
+    with _loader_bars_off_outside_a_terminal():
+        environments = [EnvironmentFactory.create(e) for e in config.environments]
+        backend = BackendFactory.create(config.model)
     params = create_sampling_params(config.inference)
     try:
         entries = []
         for env_config, env in zip(config.environments, environments, strict=True):
             runner_config = RunnerConfig(config.system_prompt, max_steps=env_config.max_steps)
             runner = TrajectoryRunner(env, backend, params, config=runner_config)
-            tasks = range(min(env_config.size, env.spec.dataset_size or env_config.size))
-            entries.append(MultiEvalEntry(runner, tasks))
-        total = sum(len(e.task_indices) for e in entries)
-        with tqdm(total=total, desc="eval", unit="traj", file=sys.stderr) as bar:
-            return run_multi_evaluation(
-                entries, batch_size, progress_callback=lambda done, _: bar.update(done - bar.n)
-            )
+            count = min(env_config.size, env.spec.dataset_size or env_config.size)
+            entries.append(MultiEvalEntry(runner, range(min(count, limit or count))))
+        display = ProgressDisplay(sys.stderr)
+        try:
+            return run_multi_evaluation(entries, batch_size, on_step=display)
+        finally:
+            display.close()
     finally:
         backend.close()
         for env in environments:
             env.close()
 
 
-def _report(results: Sequence[BatchResult]) -> dict[str, Any]:
+@contextlib.contextmanager
+def _loader_bars_off_outside_a_terminal() -> Iterator[None]:
+    """Outside a terminal, turn off the progress bars of transformers and datasets (their
+    carriage returns garble a log); the evaluation's own display writes plain lines."""
+    if sys.stderr.isatty():
+        yield
+        return
+    import datasets.utils.logging as datasets_logging
+    import transformers.utils.logging as transformers_logging
+
+    modules = [datasets_logging, transformers_logging]
+    enabled = [m for m in modules if m.is_progress_bar_enabled()]
+    for module in enabled:
+        module.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for module in enabled:
+            module.enable_progress_bar()
+
+
+def _report(results: Sequence[BatchResult], settings: ResultsConfig) -> dict[str, Any]:
     merged = BatchResult.concat(results, "overall")
     return {
         "overall": merged.summary(),
-        "environments": [r.to_dict() for r in results],
+        "environments": [
+            r.to_dict(max_text_chars=settings.max_text_chars, token_ids=settings.token_ids)
+            for r in results
+        ],
     }
 
 
 def format_table(results: Sequence[BatchResult]) -> str:
-    """A plain-text table: one row per environment, then the overall row."""
+    """A plain-text table: one row per environment, then the overall row (always, so a
+    one-environment table has the same shape as any other)."""
     rows = [r.summary() for r in results]
-    if len(results) > 1:
-        rows.append(BatchResult.concat(results, "overall").summary())
+    rows.append(BatchResult.concat(results, "overall").summary())
     header = ("environment", "tasks", "accuracy", "mean reward", "mean steps", "errors")
     cells = [header] + [
         (

@@ -14,6 +14,7 @@ from agile_llmenvs.evaluation.runner import (
     ProgressCounter,
     Rollout,
     RunnerConfig,
+    StepCallback,
     TrajectoryRunner,
     chunked,
     run_lockstep,
@@ -109,6 +110,8 @@ def run_multi_evaluation(
     entries: Sequence[MultiEvalEntry],
     batch_size: int | None = None,
     progress_callback: ProgressCallback | None = None,
+    *,
+    on_step: StepCallback | None = None,
 ) -> list[BatchResult]:
     """Evaluate several environments in one lock-step loop.
 
@@ -120,6 +123,9 @@ def run_multi_evaluation(
         entries: The environments (their runners) and their tasks.
         batch_size: Trajectories per lock-step batch, across entries; ``None`` runs all.
         progress_callback: ``callback(completed, total)`` after each trajectory ends.
+        on_step: ``on_step(progress)`` with the steps, tokens and trajectories done so far,
+            once before the first step and after every lock-step round (a progress bar's
+            hook: its ETA can come from steps, long before whole trajectories finish).
 
     Returns:
         One :class:`BatchResult` per entry, in entry order, its trajectories in task order.
@@ -133,7 +139,9 @@ def run_multi_evaluation(
     first = entries[0].runner
     work = [(n, i) for n, entry in enumerate(entries) for i in entry.task_indices]
     chunks = chunked(work, batch_size)
-    progress = ProgressCounter(len(work), progress_callback)
+    budget = sum(entries[n].runner.max_steps for n, _ in work)
+    progress = ProgressCounter(len(work), progress_callback, on_step=on_step, max_steps=budget)
+    progress.report()
     finished: list[list[Rollout]] = [[] for _ in entries]
     for chunk in chunks:
         rollouts = [entries[n].runner.start(i) for n, i in chunk]

@@ -11,7 +11,7 @@ from typing import Any
 from agile_llmenvs.backends.types import Message
 from agile_llmenvs.core.types import Action
 
-__all__ = ["BatchResult", "StopReason", "Trajectory", "Turn"]
+__all__ = ["BatchResult", "StopReason", "Trajectory", "Turn", "truncate"]
 
 
 class StopReason(StrEnum):
@@ -69,9 +69,18 @@ class Trajectory:
         """How many steps the episode took."""
         return len(self.turns)
 
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready record of the trajectory."""
-        return {
+    def to_dict(
+        self, *, max_text_chars: int | None = None, token_ids: bool = False
+    ) -> dict[str, Any]:
+        """A JSON-ready record of the trajectory.
+
+        Args:
+            max_text_chars: Cut every action and message text to this many characters,
+                marked with how many were left out (see :func:`truncate`); ``None`` keeps all.
+            token_ids: Also record each action's sampled token ids (``token_ids``: one list
+                per turn, ``None`` where the backend reports no ids).
+        """
+        record: dict[str, Any] = {
             "task_index": self.task_index,
             "env_name": self.env_name,
             "total_reward": self.total_reward,
@@ -79,10 +88,31 @@ class Trajectory:
             "stop_reason": str(self.stop_reason),
             "error": self.error,
             "num_steps": self.num_steps,
-            "actions": [turn.action.text for turn in self.turns],
+            "actions": [truncate(turn.action.text, max_text_chars) for turn in self.turns],
             "rewards": [turn.reward for turn in self.turns],
-            "messages": [dict(m) for m in self.messages],
+            "messages": [_cut_message(m, max_text_chars) for m in self.messages],
         }
+        if token_ids:
+            record["token_ids"] = [
+                None if turn.action.token_ids is None else list(turn.action.token_ids)
+                for turn in self.turns
+            ]
+        return record
+
+
+def truncate(text: str, max_chars: int | None) -> str:
+    """``text`` cut to ``max_chars`` characters, then ``…[+N chars]`` saying how many were cut
+    (``text`` itself when it fits, or when ``max_chars`` is ``None``)."""
+    if max_chars is None or len(text) <= max_chars:
+        return text
+    return f"{text[:max_chars]}…[+{len(text) - max_chars} chars]"
+
+
+def _cut_message(message: Message, max_chars: int | None) -> dict[str, Any]:
+    record = dict(message)
+    if isinstance(record.get("content"), str):
+        record["content"] = truncate(record["content"], max_chars)
+    return record
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -138,9 +168,15 @@ class BatchResult:
             "num_errors": self.num_errors,
         }
 
-    def to_dict(self) -> dict[str, Any]:
-        """The summary and every trajectory, JSON-ready."""
-        return {**self.summary(), "trajectories": [t.to_dict() for t in self.trajectories]}
+    def to_dict(
+        self, *, max_text_chars: int | None = None, token_ids: bool = False
+    ) -> dict[str, Any]:
+        """The summary and every trajectory, JSON-ready (arguments as for
+        :meth:`Trajectory.to_dict`)."""
+        trajectories = [
+            t.to_dict(max_text_chars=max_text_chars, token_ids=token_ids) for t in self.trajectories
+        ]
+        return {**self.summary(), "trajectories": trajectories}
 
     @classmethod
     def concat(cls, results: Iterable[BatchResult], env_name: str = "") -> BatchResult:

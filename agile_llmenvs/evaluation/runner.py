@@ -19,10 +19,12 @@ from agile_llmenvs.errors import BackendError, EvaluationError
 from agile_llmenvs.evaluation.results import BatchResult, StopReason, Trajectory, Turn
 
 __all__ = [
+    "Progress",
     "ProgressCallback",
     "ProgressCounter",
     "Rollout",
     "RunnerConfig",
+    "StepCallback",
     "TrajectoryRunner",
     "chunked",
     "for_each",
@@ -32,6 +34,30 @@ __all__ = [
 ProgressCallback = Callable[[int, int], None]
 """Called as ``callback(completed, total)`` each time a trajectory finishes; ``completed``
 counts across every chunk of a call (global offsets), ``total`` is the call's task count."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a run stands: reported when it starts and after every lock-step round.
+
+    Attributes:
+        steps: Env steps taken so far (one per completion that stepped its episode).
+        max_steps: The most steps the run can take: those taken plus the remaining step
+            budget of every unfinished trajectory (it shrinks as trajectories end early).
+        tokens: Tokens generated so far (counted by local backends; API backends add 0).
+        completed: Trajectories finished.
+        total: Trajectories in the run.
+    """
+
+    steps: int
+    max_steps: int
+    tokens: int
+    completed: int
+    total: int
+
+
+StepCallback = Callable[[Progress], None]
+"""Called as ``callback(progress)`` when a run starts and after every lock-step round."""
 
 
 @dataclass(frozen=True)
@@ -295,6 +321,7 @@ class TrajectoryRunner:
 
 
 _CLEAN_ENDS = (StopReason.TERMINATED, StopReason.TRUNCATED, StopReason.MAX_STEPS)
+_ERRORS = (StopReason.BACKEND_ERROR, StopReason.ENV_ERROR)
 
 
 def _describe(exc: BaseException) -> str:
@@ -302,15 +329,47 @@ def _describe(exc: BaseException) -> str:
 
 
 class ProgressCounter:
-    """Counts finished trajectories across chunks and reports them."""
+    """Counts finished trajectories, steps and tokens across chunks, and reports them.
 
-    def __init__(self, total: int, callback: ProgressCallback | None) -> None:
+    Args:
+        total: Trajectories in the run.
+        callback: ``callback(completed, total)`` after each trajectory ends.
+        on_step: ``on_step(progress)`` when the run starts and after every round.
+        max_steps: The run's whole step budget (every trajectory's, before any ran).
+    """
+
+    def __init__(
+        self,
+        total: int,
+        callback: ProgressCallback | None,
+        *,
+        on_step: StepCallback | None = None,
+        max_steps: int = 0,
+    ) -> None:
         self.total, self.completed, self.callback = total, 0, callback
+        self.on_step = on_step
+        self.steps, self.tokens, self.max_steps = 0, 0, max_steps
 
-    def finished(self) -> None:
+    def finished(self, rollout: Rollout) -> None:
+        """Count ``rollout`` as done; its unused step budget leaves the total."""
         self.completed += 1
+        budget = rollout.runner.max_steps - rollout.base_steps
+        self.max_steps -= max(0, budget - len(rollout.turns))
         if self.callback is not None:
             self.callback(self.completed, self.total)
+
+    def stepped(self, pairs: Sequence[tuple[Rollout, Completion]]) -> None:
+        """Count one round: the steps it took and the tokens it generated."""
+        self.steps += sum(1 for rollout, _ in pairs if rollout.stop_reason not in _ERRORS)
+        self.tokens += sum(
+            len(c.generation.token_ids) for _, c in pairs if c.generation is not None
+        )
+
+    def report(self) -> None:
+        """Tell ``on_step`` where the run stands."""
+        if self.on_step is not None:
+            progress = Progress(self.steps, self.max_steps, self.tokens, self.completed, self.total)
+            self.on_step(progress)
 
 
 def chunked(items: list[Any], batch_size: int | None) -> list[list[Any]]:
@@ -352,7 +411,7 @@ def run_lockstep(
     """
     for rollout in rollouts:
         if rollout.finished and progress is not None:  # its reset failed
-            progress.finished()
+            progress.finished(rollout)
     live = [r for r in rollouts if not r.finished]
     tools = live[0].runner.environment.spec.tools if live else ()
     while live:
@@ -368,7 +427,10 @@ def run_lockstep(
             )
         pairs = list(zip(live, completions, strict=True))
         for_each(_advance, pairs, executor)
-        for rollout in live:
-            if rollout.finished and progress is not None:
-                progress.finished()
+        if progress is not None:
+            progress.stepped(pairs)
+            for rollout in live:
+                if rollout.finished:
+                    progress.finished(rollout)
+            progress.report()
         live = [r for r in live if not r.finished]

@@ -211,7 +211,7 @@ class SegmentedTrajectoryRunner(TrajectoryRunner):
     def _run_segments(self, rollouts: list[Rollout], progress: ProgressCounter) -> None:
         for rollout in rollouts:
             if rollout.finished:
-                progress.finished()
+                progress.finished(rollout)
         segments: dict[int, list[str]] = {id(r): [] for r in rollouts}
         live = [r for r in rollouts if not r.finished]
         while live:
@@ -228,7 +228,7 @@ class SegmentedTrajectoryRunner(TrajectoryRunner):
                     self.advance(rollout, self._complete(context))
                     turn.clear()
                     if rollout.finished:
-                        progress.finished()
+                        progress.finished(rollout)
                 else:
                     turn.append(outcome.text if isinstance(outcome, ForceAction) else str(outcome))
             live = [r for r in live if not r.finished]

@@ -111,7 +111,9 @@ def _read_path(path: Path) -> Any:
             f"expected one of {', '.join(FILE_FORMATS)} (or a save_to_disk folder)"
         )
     try:
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
+        # Offline, or datasets pings the hub to count the load even for a local file
+        with _hub_offline():
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:
         raise DatasetError(
             f"dataset_path: could not parse {path} as {builder}: {type(exc).__name__}: {exc}"
@@ -136,7 +138,8 @@ def _read_cached(name: str, field: str) -> Any:
 @contextlib.contextmanager
 def _hub_offline() -> Iterator[None]:
     """Force ``datasets`` and ``huggingface_hub`` offline, whatever the environment says, so
-    a missing dataset fails at once instead of waiting on the network."""
+    nothing reaches the network: a missing dataset fails at once instead of waiting on it, and
+    a local file is read without the hub's load counter."""
     import datasets.config
     import huggingface_hub.constants as hub
 

@@ -1,0 +1,187 @@
+"""Nothing reaches the network at run time: the quick start trains, and its eval runs, with
+every connection to a host other than this one refused and recorded.
+
+Each command runs in a subprocess whose ``sitecustomize`` wraps ``socket`` (``getaddrinfo``,
+``gethostbyname``, ``connect``, ``connect_ex``, ``create_connection``, ``sendto``): a
+non-loopback host is written to a log and the call raises, as on a firewalled cluster. The
+hub's offline switches are cleared, as a new user's shell has them, and the hub cache and
+the tiny model's cache are fresh, so nothing already cached hides a fetch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+GUARD = '''\
+"""Refuse and record every network call to a host that is not this machine."""
+import ipaddress
+import os
+import socket
+import traceback
+
+_LOG = os.environ["NO_NETWORK_LOG"]
+_LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"}
+
+
+def _local(host):
+    if host is None:
+        return True
+    if isinstance(host, bytes):
+        host = host.decode()
+    host = str(host).strip("[]").split("%")[0]
+    if host in _LOCAL_NAMES or host == "":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # a name that is not this machine's
+    return address.is_loopback or address.is_unspecified
+
+
+def _refuse(kind, host, port):
+    frames = [f for f in traceback.extract_stack()[:-2] if "sitecustomize" not in f.filename]
+    where = " <- ".join(f"{f.filename}:{f.lineno}" for f in reversed(frames[-6:]))
+    with open(_LOG, "a", encoding="utf-8") as log:
+        log.write(f"{kind} {host}:{port} from {where}\\n")
+    raise OSError(f"network disabled by the test: {kind} {host}:{port}")
+
+
+def _inet(address):
+    return isinstance(address, tuple) and len(address) >= 2
+
+
+_getaddrinfo = socket.getaddrinfo
+_gethostbyname = socket.gethostbyname
+_connect = socket.socket.connect
+_connect_ex = socket.socket.connect_ex
+_sendto = socket.socket.sendto
+
+
+def getaddrinfo(host, port, *args, **kwargs):
+    if not _local(host):
+        _refuse("getaddrinfo", host, port)
+    return _getaddrinfo(host, port, *args, **kwargs)
+
+
+def gethostbyname(host):
+    if not _local(host):
+        _refuse("gethostbyname", host, None)
+    return _gethostbyname(host)
+
+
+def connect(self, address):
+    if _inet(address) and not _local(address[0]):
+        _refuse("connect", address[0], address[1])
+    return _connect(self, address)
+
+
+def connect_ex(self, address):
+    if _inet(address) and not _local(address[0]):
+        _refuse("connect_ex", address[0], address[1])
+    return _connect_ex(self, address)
+
+
+def sendto(self, data, *args):
+    address = args[-1] if args else None
+    if _inet(address) and not _local(address[0]):
+        _refuse("sendto", address[0], address[1])
+    return _sendto(self, data, *args)
+
+
+socket.getaddrinfo = getaddrinfo
+socket.gethostbyname = gethostbyname
+socket.socket.connect = connect
+socket.socket.connect_ex = connect_ex
+socket.socket.sendto = sendto
+# create_connection resolves through socket.getaddrinfo and connects through connect
+'''
+
+OFFLINE_SWITCHES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+@pytest.fixture
+def guarded_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a subprocess whose network calls are refused and logged."""
+    guard = tmp_path / "guard"
+    guard.mkdir()
+    (guard / "sitecustomize.py").write_text(GUARD, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in OFFLINE_SWITCHES}
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(guard), env.get("PYTHONPATH")])),
+        NO_NETWORK_LOG=str(tmp_path / "network.log"),
+        HF_HOME=str(tmp_path / "hf-home"),
+        AGILE_LLMENVS_CACHE=str(tmp_path / "cache"),
+        MPLBACKEND="Agg",
+    )
+    return env
+
+
+def _run(args: list[str], env: dict[str, str], cwd: Path) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "agile_llmenvs", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=840,
+        check=False,
+    )
+    assert done.returncode == 0, f"{args} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def _attempts(env: dict[str, str]) -> list[str]:
+    log = Path(env["NO_NETWORK_LOG"])
+    return log.read_text(encoding="utf-8").splitlines() if log.exists() else []
+
+
+def test_the_guard_refuses_and_records_remote_hosts(
+    guarded_env: dict[str, str], tmp_path: Path
+) -> None:
+    probe = (
+        "import socket\n"
+        "socket.getaddrinfo('localhost', 80)\n"
+        "try:\n"
+        "    socket.create_connection(('example.org', 443), timeout=1)\n"
+        "except OSError as exc:\n"
+        "    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=guarded_env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert done.stdout == "network disabled by the test: getaddrinfo example.org:443\n"
+    [attempt] = _attempts(guarded_env)
+    assert attempt.startswith("getaddrinfo example.org:443 from ")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # the quick start takes about a minute on 2 idle cores
+def test_quickstart_train_and_eval_make_no_network_call(
+    guarded_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The full quick start (800 GRPO steps), its eval, and the shipped eval example."""
+    _run(["train", str(ROOT / "manifests" / "quickstart.yaml")], guarded_env, tmp_path)
+    assert (tmp_path / "runs" / "quickstart" / "checkpoint-800" / "model").is_dir()
+    config = ROOT / "manifests" / "eval" / "quickstart.yaml"
+    table = _run(["eval", str(config)], guarded_env, tmp_path)
+    [overall] = [line for line in table.splitlines() if line.startswith("overall")]
+    tasks, accuracy = overall.split()[1:3]
+    assert tasks == "10"
+    assert float(accuracy.rstrip("%")) >= 90.0, table  # what the quick start learned
+    if importlib.util.find_spec("reasoning_gym") is not None:  # the `envs` extra
+        example = ROOT / "manifests" / "eval" / "leg_counting.yaml"
+        _run(["eval", str(example), "--limit", "4"], guarded_env, tmp_path)
+    assert _attempts(guarded_env) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -22,6 +23,7 @@ __all__ = [
     "RunManifest",
     "TrainingSpec",
     "VLLMGenerationSpec",
+    "absolute_paths",
     "dump_manifest",
     "load_manifest",
     "manifest_json_schema",
@@ -33,13 +35,14 @@ EnvSpec = Annotated[
 ]
 """Any env section, told apart by ``env_type``: gym, offline, rollout, dataset or bandit."""
 
-# Path fields of each section, looked up next to the manifest file before the working dir.
+# Files a run reads, by section: looked up next to the manifest file before the working dir.
 _PATH_FIELDS: dict[type[BaseModel], tuple[str, ...]] = {
     GymEnvSpec: ("path", "env_config"),
     OfflineEnvSpec: ("path", "env_config", "dataset_path"),
     BanditEnvSpec: ("path", "features", "targets"),
     LLMEnvSpec: ("dataset_path", "rubric_file_path", "chat_template_path"),
 }
+_MODEL_PATH_FIELDS = ("path", "tokenizer_path")
 _ALGORITHM_ENV: dict[str, tuple[str, str | None]] = {
     "grpo": ("rollout", None),
     "sft": ("dataset", "sft"),
@@ -128,8 +131,12 @@ class TrainingSpec(BaseModel):
     batch_size: int = Field(8, ge=1, description="Prompts (GRPO groups) or rows per step.")
     group_size: int = Field(8, ge=2, description="Completions per prompt (GRPO).")
     max_new_tokens: int = Field(16, ge=1, description="Tokens generated per turn (GRPO).")
-    output_dir: str = Field(
-        "runs/latest", min_length=1, description="Where metrics, plots and checkpoints go."
+    output_dir: str | None = Field(
+        None,
+        min_length=1,
+        description="The run's folder: metrics, plots, checkpoints and the manifest it ran. "
+        "Relative: to the manifest's folder. Unset: `runs/<name>` in the working directory "
+        "(`runs/<algorithm>` for a manifest without a name).",
     )
     temperature: float = Field(
         1.0, gt=0.0, le=10.0, description="Sampling temperature of GRPO rollouts."
@@ -334,8 +341,9 @@ class RunManifest(BaseModel):
 def load_manifest(path: str | Path) -> RunManifest:
     """Read a run manifest from a ``.yaml``/``.yml`` or ``.json`` file.
 
-    Relative paths inside the manifest (data files, rubric files, env source files) are looked
-    up next to the manifest first, then in the working directory.
+    A relative path in the manifest is relative to the manifest's folder: the files a run
+    reads (data, rubric, env source, ``model.path``) are looked up there first, then in the
+    working directory; a relative ``training.output_dir`` is always there.
 
     Raises:
         FileNotFoundError: the file does not exist.
@@ -376,13 +384,57 @@ def manifest_json_schema() -> dict[str, Any]:
     return schema
 
 
+def absolute_paths(manifest: RunManifest) -> RunManifest:
+    """``manifest`` with its relative paths made absolute against the working directory, the
+    way a run opens them: each file it reads that exists there, and ``training.output_dir``.
+
+    A run stores its manifest so (see :mod:`agile_llmenvs.training.run_folder`), and compares
+    a resumed run's by the files they name, not by how each spelled them.
+    """
+
+    def input_path(value: str) -> str | None:
+        return str(Path(value).resolve()) if Path(value).exists() else None
+
+    return _map_paths(manifest, input_path, lambda value: str(Path(value).resolve()))
+
+
 def _resolve_relative_paths(manifest: RunManifest, base: Path) -> RunManifest:
-    env = manifest.env
-    updates: dict[str, str] = {}
-    for field in _PATH_FIELDS[type(env)]:
-        value = getattr(env, field)
-        if isinstance(value, str) and not Path(value).is_absolute() and (base / value).exists():
-            updates[field] = str(base / value)
-    if not updates:
-        return manifest
-    return manifest.model_copy(update={"env": env.model_copy(update=updates)})
+    """The manifest file's rule: a relative path is relative to ``base``, its folder (a file
+    to read that is not there is left for the working directory)."""
+
+    def input_path(value: str) -> str | None:
+        return str(base / value) if (base / value).exists() else None
+
+    return _map_paths(manifest, input_path, lambda value: str(base / value))
+
+
+def _map_paths(
+    manifest: RunManifest,
+    input_path: Callable[[str], str | None],
+    output_path: Callable[[str], str],
+) -> RunManifest:
+    """Rewrite each relative path field: the files a run reads with ``input_path`` (``None``
+    keeps the value), ``training.output_dir`` with ``output_path``."""
+
+    def rewritten(section: BaseModel, fields: tuple[str, ...]) -> dict[str, str]:
+        updates = {}
+        for field in fields:
+            value = getattr(section, field)
+            if isinstance(value, str) and not Path(value).is_absolute():
+                new = input_path(value)
+                if new is not None:
+                    updates[field] = new
+        return updates
+
+    updates: dict[str, Any] = {}
+    env_paths = rewritten(manifest.env, _PATH_FIELDS[type(manifest.env)])
+    if env_paths:
+        updates["env"] = manifest.env.model_copy(update=env_paths)
+    model_paths = rewritten(manifest.model, _MODEL_PATH_FIELDS)
+    if model_paths:
+        updates["model"] = manifest.model.model_copy(update=model_paths)
+    training = manifest.training
+    if training is not None and training.output_dir and not Path(training.output_dir).is_absolute():
+        output_dir = output_path(training.output_dir)
+        updates["training"] = training.model_copy(update={"output_dir": output_dir})
+    return manifest.model_copy(update=updates) if updates else manifest

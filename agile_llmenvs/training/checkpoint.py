@@ -115,21 +115,23 @@ def save_checkpoint(
     return final
 
 
-def find_checkpoint(output_dir: Path) -> Checkpoint | None:
+def find_checkpoint(output_dir: Path, *, report: bool = True) -> Checkpoint | None:
     """The newest complete checkpoint in ``output_dir`` (``None`` when there is none).
 
     Partial folders (a save that was cut short) and published folders whose files do not
-    match their manifest are logged as warnings and skipped.
+    match their manifest are skipped, each logged as a warning when ``report``.
     """
     if not output_dir.is_dir():
         return None
     for partial in sorted(output_dir.glob(f"{CHECKPOINT_PREFIX}*{_PARTIAL}")):
-        logger.warning("ignoring %s: a checkpoint save that did not finish", partial)
+        if report:
+            logger.warning("ignoring %s: a checkpoint save that did not finish", partial)
     for step, directory in _published(output_dir):
         manifest, problem = _read_verified(directory)
         if manifest is not None:
             return Checkpoint(directory, step, int(manifest["world_size"]))
-        logger.warning("ignoring %s: %s", directory, problem)
+        if report:
+            logger.warning("ignoring %s: %s", directory, problem)
     return None
 
 

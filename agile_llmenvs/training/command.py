@@ -1,17 +1,28 @@
-"""``agile-llmenvs train MANIFEST [--resume]``: run the manifest's training algorithm."""
+"""``agile-llmenvs train MANIFEST [--resume | --overwrite]``: run the manifest's training
+algorithm, quietly, and end with one line that sums the run up."""
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
+import time
+from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from agile_llmenvs.errors import AgileLLMEnvsError
 
-__all__ = ["register", "run_train_command"]
+if TYPE_CHECKING:  # the command line imports this module; torch only when it trains
+    from agile_llmenvs.specs import RunManifest
+    from agile_llmenvs.training.common import TrainResult
+
+__all__ = ["register", "run_train_command", "summary_line"]
+
+# The metric a run's summary averages over its last tenth of steps, and its label.
+_SUMMARY_METRIC = {"grpo": ("reward_mean", "mean reward"), "sft": ("loss", "mean loss")}
+_SUMMARY_METRIC["dpo"] = _SUMMARY_METRIC["sft"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,17 +31,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train", help="train the manifest's model with its algorithm (grpo, sft or dpo)"
     )
     parser.add_argument("manifest", type=Path, metavar="MANIFEST", help="a run manifest")
-    parser.add_argument(
-        "--resume", action="store_true", help="continue from the checkpoint in output_dir"
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument(
+        "--resume", action="store_true", help="continue the run in output_dir from its checkpoint"
+    )
+    start.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run in output_dir (its metrics, checkpoints, plot and manifest)",
     )
     parser.set_defaults(run=run_train_command)
 
 
 def run_train_command(args: argparse.Namespace) -> int:
-    """Run ``train``; returns the exit status (1 on a manifest or setup error)."""
+    """Run ``train``; returns the exit status (1 on a manifest error).
+
+    An error of the run itself (a folder that holds a run, a resume that does not match)
+    goes up to the command line, which prints it in one line and exits 2. Other libraries'
+    progress bars and logs below errors are off unless ``--debug``.
+    """
     from agile_llmenvs.specs import load_manifest
     from agile_llmenvs.training import train_dpo, train_grpo, train_sft
+    from agile_llmenvs.training.progress import quiet_libraries
 
+    started = time.monotonic()
     try:
         manifest = load_manifest(args.manifest)
     except ValidationError as exc:
@@ -46,19 +70,58 @@ def run_train_command(args: argparse.Namespace) -> int:
         print(f"error {args.manifest}: no `training` section to run", file=sys.stderr)
         return 1
     train = {"grpo": train_grpo, "sft": train_sft, "dpo": train_dpo}[manifest.training.algorithm]
-    try:
-        result = train(manifest, resume=args.resume)
-    except AgileLLMEnvsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if result.stopped_by is not None:
-        print(
-            f"stopped by {result.stopped_by} after step {result.steps} of "
-            f"{manifest.training.max_steps}; checkpoint saved in {result.checkpoint_dir}. "
-            f"Continue with: agile-llmenvs train {args.manifest} --resume"
-        )
-        return 0
-    last = (result.metrics or [{}])[-1]
-    summary = ", ".join(f"{k} {v:.4g}" for k, v in last.items() if not math.isnan(v))
-    print(f"trained {result.steps} steps into {result.output_dir}: {summary}")
+    with nullcontext() if getattr(args, "debug", False) else quiet_libraries():
+        result = train(manifest, resume=args.resume, overwrite=args.overwrite)
+    print(summary_line(result, manifest, args.manifest, time.monotonic() - started))
     return 0
+
+
+def summary_line(
+    result: TrainResult, manifest: RunManifest, manifest_path: Path, wall_s: float
+) -> str:
+    """The last line of ``train``: the steps, the wall time, the mean reward (GRPO) or loss
+    (SFT, DPO) over the last tenth of the run's steps, where its files are, and what to run
+    next (evaluate it, or resume it)."""
+    from agile_llmenvs.training.metrics import tail_mean
+
+    assert manifest.training is not None  # the command checked
+    max_steps = manifest.training.max_steps
+    key, label = _SUMMARY_METRIC[manifest.training.algorithm]
+    mean = None
+    if result.metrics_path is not None:
+        mean = tail_mean(result.metrics_path, key, last_step=result.steps)
+    measured = ""
+    if mean is not None:
+        span = f"step {mean.last}" if mean.first == mean.last else f"steps {mean.first}-{mean.last}"
+        measured = f", {label} {mean.value:.4g} over {span}"
+    model = Path(result.checkpoint_dir or result.output_dir) / "model"
+    evaluate = f"Evaluate with: agile-llmenvs eval CONFIG.yaml (model.model: {model})"
+    if result.already_complete:
+        return (
+            f"{result.output_dir} is already complete at step {result.steps} of {max_steps}"
+            f"{measured}; nothing was run (raise training.max_steps to train on). {evaluate}"
+        )
+    if result.stopped_by is not None:
+        return (
+            f"stopped by {result.stopped_by} after step {result.steps} of {max_steps} in "
+            f"{_duration(wall_s)}{measured}; checkpoint saved in {result.checkpoint_dir}. "
+            f"Continue with: agile-llmenvs train {manifest_path} --resume"
+        )
+    ran_now = len(result.metrics)
+    resumed = f" ({ran_now} now, resumed at step {result.steps - ran_now})"
+    steps = f"{result.steps} step{'' if result.steps == 1 else 's'}"
+    return (
+        f"trained {steps}{resumed if ran_now < result.steps else ''} in "
+        f"{_duration(wall_s)}{measured}; files in {result.output_dir}. {evaluate}"
+    )
+
+
+def _duration(seconds: float) -> str:
+    """``4.2 s``, ``3 min 05 s``, ``2 h 03 min``."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"

@@ -39,6 +39,8 @@ class TrainResult:
         checkpoint_dir: The last checkpoint.
         stopped_by: The signal that stopped the run before ``max_steps`` (``"SIGTERM"``,
             ``"SIGINT"``), ``None`` when it ran to the end; ``steps`` is where it stopped.
+        already_complete: A resume found the run at ``max_steps`` already, and ran nothing
+            (no model loaded, no file touched).
     """
 
     output_dir: Path
@@ -47,6 +49,7 @@ class TrainResult:
     metrics_path: Path | None = None
     checkpoint_dir: Path | None = None
     stopped_by: str | None = None
+    already_complete: bool = False
 
     def last(self, key: str) -> float:
         """The value of ``key`` at the last step run now."""

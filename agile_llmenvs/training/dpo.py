@@ -20,7 +20,9 @@ DPO_METRICS = ("step", "loss", "margin", "accuracy", "grad_norm", "step_time_s",
 DEFAULT_DPO_BETA = 0.1
 
 
-def train_dpo(manifest: RunManifest, *, resume: bool = False) -> TrainResult:
+def train_dpo(
+    manifest: RunManifest, *, resume: bool = False, overwrite: bool = False
+) -> TrainResult:
     """Train the manifest's model with the sigmoid DPO loss on its preference dataset env.
 
     The loss is the mean over every pair of the batch (of every process).
@@ -28,8 +30,11 @@ def train_dpo(manifest: RunManifest, *, resume: bool = False) -> TrainResult:
     Args:
         manifest: A manifest with ``env_type: dataset``, ``objective: preference`` and
             ``training.algorithm: dpo``; ``training.beta`` is DPO's temperature.
-        resume: Continue from the checkpoint in ``output_dir``. The reference is the model
-            the manifest names, not the checkpoint.
+        resume: Continue from the checkpoint in ``output_dir``, if this manifest may
+            (:data:`~agile_llmenvs.training.run_folder.RESUMABLE_CHANGES`). The reference
+            is the model the manifest names, not the checkpoint.
+        overwrite: Replace the run ``output_dir`` holds; without it (or ``resume``) a
+            folder that holds a run is refused with a ``CheckpointError``.
     """
     config = training_spec(manifest)
     beta = DEFAULT_DPO_BETA if config.beta is None else config.beta
@@ -39,7 +44,12 @@ def train_dpo(manifest: RunManifest, *, resume: bool = False) -> TrainResult:
         return DPOObjective(reference, beta, config.logps_chunk_tokens)
 
     return train_on_dataset(
-        manifest, resume=resume, name="dpo", metric_keys=DPO_METRICS, make_objective=make_objective
+        manifest,
+        resume=resume,
+        overwrite=overwrite,
+        name="dpo",
+        metric_keys=DPO_METRICS,
+        make_objective=make_objective,
     )
 
 

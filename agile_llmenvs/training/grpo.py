@@ -42,7 +42,9 @@ from agile_llmenvs.training.learner import Learner
 from agile_llmenvs.training.losses import group_advantages
 from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
 from agile_llmenvs.training.policy_batch import PolicyBatch, build_policy_batch
+from agile_llmenvs.training.progress import Progress
 from agile_llmenvs.training.rollout_log import ROLLOUTS_FILE, RolloutLog
+from agile_llmenvs.training.run_folder import plan_run, start_run
 from agile_llmenvs.training.sampling import Sampler
 from agile_llmenvs.training.sharding import GenerationSync, is_sharded
 from agile_llmenvs.training.vllm_engine import PolicyVLLMEngine
@@ -119,26 +121,38 @@ def _close_factory(collector: RolloutCollector) -> None:
         close()
 
 
-def train_grpo(manifest: RunManifest, *, resume: bool = False) -> TrainResult:
+def train_grpo(
+    manifest: RunManifest, *, resume: bool = False, overwrite: bool = False
+) -> TrainResult:
     """Train the manifest's model with GRPO on its rollout env.
 
     Args:
         manifest: A run manifest with ``env_type: rollout`` and ``training.algorithm: grpo``.
         resume: Continue from the checkpoint in ``output_dir`` (the same task sequence, and
-            ``metrics.csv`` appended to).
+            ``metrics.csv`` appended to), if this manifest may
+            (:data:`~agile_llmenvs.training.run_folder.RESUMABLE_CHANGES`); a run already at
+            ``max_steps`` is left as it is.
+        overwrite: Replace the run ``output_dir`` holds; without it (or ``resume``) a
+            folder that holds a run is refused.
 
     Returns:
         The run's steps, metric rows and file locations.
 
     Raises:
-        CheckpointError: ``resume`` without a checkpoint in ``output_dir``.
+        CheckpointError: ``output_dir`` holds a run and neither ``resume`` nor
+            ``overwrite`` is set; or ``resume`` without a checkpoint there, or of a run this
+            manifest may not resume.
         OptionalDependencyError: ``training.lora`` without ``peft``, or
             ``generation_backend: vllm`` without ``vllm``.
     """
     config = training_spec(manifest)
-    output_dir = Path(config.output_dir)
+    plan = plan_run(manifest, resume=resume, overwrite=overwrite)
+    if plan.complete:
+        return plan.complete_result()
+    output_dir = plan.output_dir
     run = _setup(manifest, output_dir, resume)
     try:
+        start_run(plan, manifest, run.accelerator)
         with StopRequest() as stop:
             history = _train(run, manifest, output_dir, resume, stop)
         steps = run.start_step + len(history)
@@ -159,8 +173,6 @@ def _train(
 ) -> list[dict[str, float]]:
     """Run the steps left, writing each one's metrics and the periodic checkpoints; a
     SIGINT / SIGTERM ends the loop after the step it arrives in."""
-    from tqdm import tqdm
-
     config = training_spec(manifest)
     main = run.accelerator.is_main_process
     writer = rollouts = None
@@ -179,12 +191,9 @@ def _train(
             resume_step=run.start_step if resume else None,
         )
     history: list[dict[str, float]] = []
-    steps = range(run.start_step, config.max_steps)
-    progress = tqdm(
-        steps, initial=run.start_step, total=config.max_steps, desc="grpo", disable=not main
-    )
+    progress = Progress("grpo", start=run.start_step, total=config.max_steps, enabled=main)
     try:
-        for step in progress:
+        for step in range(run.start_step, config.max_steps):
             # Sampling seeds follow the step, so a resumed run samples what the whole run would.
             seed = (manifest.seed * 1_000_003 + step) * 4096 + run.accelerator.process_index * 64
             row = _step(run, config, step + 1, seed, rollouts)
@@ -193,13 +202,15 @@ def _train(
             if writer is not None:
                 writer.write(row)
             if (step + 1) % config.log_every == 0:
-                progress.set_postfix(reward=f"{row['reward_mean']:.3f}", loss=f"{row['loss']:.4f}")
+                progress.show(reward=row["reward_mean"], loss=row["loss"])
+            progress.advance()
             if stop.requested(run.accelerator):
                 break
             last = step + 1 == config.max_steps  # the final save follows
             if config.save_every and (step + 1) % config.save_every == 0 and not last:
                 _save(output_dir, step + 1, run)
     finally:
+        progress.close()
         if writer is not None:
             writer.close()
     return history

@@ -7,12 +7,20 @@ import logging
 import math
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agile_llmenvs.errors import OptionalDependencyError
 
-__all__ = ["TENSORBOARD_DIR", "MetricsWriter", "plot_metrics", "read_metrics"]
+__all__ = [
+    "TENSORBOARD_DIR",
+    "MetricsWriter",
+    "TailMean",
+    "plot_metrics",
+    "read_metrics",
+    "tail_mean",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +127,31 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
             {k: float(v) if v != "" else math.nan for k, v in row.items()}
             for row in csv.DictReader(file)
         ]
+
+
+@dataclass(frozen=True)
+class TailMean:
+    """The mean of a metric over the last steps of a run: ``steps first..last``."""
+
+    value: float
+    first: int
+    last: int
+
+
+def tail_mean(path: Path, key: str, *, last_step: int, share: float = 0.1) -> TailMean | None:
+    """The mean of ``key`` over the last ``share`` of a run's ``last_step`` steps (at least
+    one step; empty cells skipped), from its metrics CSV; ``None`` without such a value."""
+    if last_step < 1 or not path.exists():
+        return None
+    first = last_step - max(1, math.ceil(share * last_step)) + 1
+    values = [
+        row[key]
+        for row in read_metrics(path)
+        if first <= row["step"] <= last_step and not math.isnan(row.get(key, math.nan))
+    ]
+    if not values:
+        return None
+    return TailMean(sum(values) / len(values), first, last_step)
 
 
 def plot_metrics(metrics_path: Path, png_path: Path, keys: Sequence[str]) -> Path | None:

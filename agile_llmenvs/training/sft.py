@@ -16,7 +16,9 @@ __all__ = ["SFT_METRICS", "train_sft"]
 SFT_METRICS = ("step", "loss", "grad_norm", "tokens", "step_time_s", "learning_rate")
 
 
-def train_sft(manifest: RunManifest, *, resume: bool = False) -> TrainResult:
+def train_sft(
+    manifest: RunManifest, *, resume: bool = False, overwrite: bool = False
+) -> TrainResult:
     """Fine-tune the manifest's model on its SFT dataset env (masked cross-entropy).
 
     The loss is the mean over every response token of the batch (of every process).
@@ -24,12 +26,16 @@ def train_sft(manifest: RunManifest, *, resume: bool = False) -> TrainResult:
     Args:
         manifest: A manifest with ``env_type: dataset``, ``objective: sft`` and
             ``training.algorithm: sft``.
-        resume: Continue from the checkpoint in ``output_dir``.
+        resume: Continue from the checkpoint in ``output_dir``, if this manifest may
+            (:data:`~agile_llmenvs.training.run_folder.RESUMABLE_CHANGES`).
+        overwrite: Replace the run ``output_dir`` holds; without it (or ``resume``) a
+            folder that holds a run is refused with a ``CheckpointError``.
     """
     chunk_tokens = training_spec(manifest).logps_chunk_tokens
     return train_on_dataset(
         manifest,
         resume=resume,
+        overwrite=overwrite,
         name="sft",
         metric_keys=SFT_METRICS,
         make_objective=lambda model, accelerator: SFTObjective(chunk_tokens),

@@ -21,6 +21,8 @@ from agile_llmenvs.training.interrupt import StopRequest
 from agile_llmenvs.training.learner import Learner, micro_batch_slices, reduce_sum
 from agile_llmenvs.training.logprobs import scored_token_logps
 from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
+from agile_llmenvs.training.progress import Progress
+from agile_llmenvs.training.run_folder import plan_run, start_run
 
 __all__ = ["DatasetObjective", "labelled_logps", "train_on_dataset"]
 
@@ -79,23 +81,31 @@ def train_on_dataset(
     name: str,
     metric_keys: tuple[str, ...],
     make_objective: Callable[[Any, Any], DatasetObjective],
+    overwrite: bool = False,
 ) -> TrainResult:
     """Run ``max_steps`` optimizer steps over the manifest's dataset env.
 
     Args:
         manifest: A manifest with ``env_type: dataset``.
-        resume: Continue from the checkpoint in ``output_dir``.
+        resume: Continue from the checkpoint in ``output_dir`` (a run already at
+            ``max_steps`` is left as it is).
         name: The progress bar's label.
         metric_keys: Columns of ``metrics.csv``: ``step``, ``loss``, ``grad_norm``,
             ``learning_rate``, ``step_time_s`` and whatever the objective reports.
         make_objective: Called with the loaded model and the accelerator.
-    """
-    from tqdm import tqdm
+        overwrite: Replace the run ``output_dir`` holds (refused without it).
 
+    Raises:
+        CheckpointError: see :func:`~agile_llmenvs.training.run_folder.plan_run`.
+    """
     config = training_spec(manifest)
-    output_dir = Path(config.output_dir)
+    plan = plan_run(manifest, resume=resume, overwrite=overwrite)
+    if plan.complete:
+        return plan.complete_result()
+    output_dir = plan.output_dir
     learner, tokenizer = prepare_policy(manifest, config, total_steps=config.max_steps)
     accelerator = learner.accelerator
+    start_run(plan, manifest, accelerator)
     objective = make_objective(accelerator.unwrap_model(learner.model), accelerator)
     env = _dataset_env(manifest, tokenizer, accelerator)
     start_step = _resume(output_dir, learner, env) if resume else 0
@@ -111,20 +121,22 @@ def train_on_dataset(
 
     history: list[dict[str, float]] = []
     learner.model.train()
-    steps = range(start_step, config.max_steps)
+    progress = Progress(name, start=start_step, total=config.max_steps, enabled=main)
     with StopRequest() as stop:
-        for step in tqdm(
-            steps, initial=start_step, total=config.max_steps, desc=name, disable=not main
-        ):
+        for step in range(start_step, config.max_steps):
             row = _step(step, env, learner, objective, config, metric_keys)
             history.append(row)
             if writer is not None:
                 writer.write(row)
+            if (step + 1) % config.log_every == 0:
+                progress.show(loss=row["loss"])
+            progress.advance()
             if stop.requested(accelerator):
                 break
             last = step + 1 == config.max_steps  # the final save follows
             if config.save_every and (step + 1) % config.save_every == 0 and not last:
                 _save(output_dir, step + 1, learner, tokenizer, env, config.keep_checkpoints)
+    progress.close()
     done = start_step + len(history)
     checkpoint_dir = _save(output_dir, done, learner, tokenizer, env, config.keep_checkpoints)
     if writer is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -173,10 +174,13 @@ def test_sigterm_saves_says_how_to_resume_and_resume_finishes(
     assert process.returncode == 0, stderr.decode()[-3000:]
     checkpoint = find_checkpoint(out)
     assert checkpoint is not None
-    assert stdout.decode().strip().splitlines()[-1] == (
-        f"stopped by SIGTERM after step {checkpoint.step} of 100000; checkpoint saved in "
-        f"{checkpoint.directory}. Continue with: agile-llmenvs train {path} --resume"
-    )
+    last = stdout.decode().strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"stopped by SIGTERM after step {checkpoint.step} of 100000 in [\d.]+ s, mean loss "
+        rf"\S+ over steps? [\d-]+; checkpoint saved in {re.escape(str(checkpoint.directory))}\. "
+        rf"Continue with: agile-llmenvs train {re.escape(str(path))} --resume",
+        last,
+    ), last
     with (out / "metrics.csv").open(newline="") as file:
         assert [int(r["step"]) for r in csv.DictReader(file)] == list(range(1, checkpoint.step + 1))
     shorter = make_manifest("sft_digits.yaml", max_steps=checkpoint.step + 2, output_dir=str(out))
@@ -188,5 +192,7 @@ def test_sigterm_saves_says_how_to_resume_and_resume_finishes(
     assert (
         resumed.stdout.strip()
         .splitlines()[-1]
-        .startswith(f"trained {checkpoint.step + 2} steps into {out}")
+        .startswith(
+            f"trained {checkpoint.step + 2} steps (2 now, resumed at step {checkpoint.step})"
+        )
     )

@@ -143,8 +143,16 @@ def test_resuming_with_another_lora_setting_says_so(
     make_manifest: Callable[..., RunManifest], tmp_path: Path
 ) -> None:
     train_sft(make_manifest("sft_digits.yaml", max_steps=1))
+    lora = make_manifest("sft_digits.yaml", max_steps=2, lora=LORA)
+    with pytest.raises(CheckpointError) as raised:  # the run's manifest says so first
+        train_sft(lora, resume=True)
+    assert str(raised.value).startswith(
+        f"cannot resume {tmp_path / 'run'}: the run there has training.lora None, this "
+        "manifest {'r': 4, 'alpha': 8.0, "
+    )
+    (tmp_path / "run" / "manifest.yaml").unlink()  # a run from before runs stored it
     with pytest.raises(CheckpointError) as raised:
-        train_sft(make_manifest("sft_digits.yaml", max_steps=2, lora=LORA), resume=True)
+        train_sft(lora, resume=True)
     directory = tmp_path / "run" / "checkpoint-1" / "model"
     assert str(raised.value) == (
         f"the checkpoint in {directory} holds full weights, but this run trains LoRA "

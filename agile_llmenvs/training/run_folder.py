@@ -1,0 +1,258 @@
+"""A run's folder: where a run writes, whether a new start may touch it, and what a resume
+must match.
+
+A folder *holds a run* when it has ``metrics.csv`` or a ``checkpoint-<step>`` folder. A fresh
+start refuses such a folder unless told to overwrite it (then it removes the run's own files
+and nothing else); a resume refuses a folder without a complete checkpoint, and a run whose
+manifest differs from this one in anything but :data:`RESUMABLE_CHANGES`. Every run stores
+the manifest it runs as ``manifest.yaml`` in its folder, with its paths made absolute, so a
+resume compares the files both name, and ``agile-llmenvs train runs/x/manifest.yaml
+--resume`` continues a run with exactly what it ran.
+
+:func:`plan_run` only reads (every process of a run calls it, before any writes);
+:func:`start_run` writes, on the main process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from agile_llmenvs.errors import CheckpointError
+from agile_llmenvs.specs import RunManifest, load_manifest
+from agile_llmenvs.specs.manifest import absolute_paths
+from agile_llmenvs.training.checkpoint import CHECKPOINT_PREFIX, Checkpoint, find_checkpoint
+from agile_llmenvs.training.common import TrainResult, training_spec
+from agile_llmenvs.training.metrics import TENSORBOARD_DIR
+from agile_llmenvs.training.rollout_log import ROLLOUTS_FILE
+
+__all__ = [
+    "RESUMABLE_CHANGES",
+    "RUN_MANIFEST",
+    "RunPlan",
+    "manifest_differences",
+    "output_dir_of",
+    "plan_run",
+    "start_run",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The manifest a run ran, in its folder.
+RUN_MANIFEST = "manifest.yaml"
+#: The fields a resumed run may change: how long it runs, where and how often it saves and
+#: logs, its held-out evaluation (which never touches the training sequence), and settings
+#: of memory and speed that leave the update as it is. Anything else changes the data, the
+#: shapes or the maths of the run, and must be what the run ran.
+RESUMABLE_CHANGES = (
+    "name",
+    "training.max_steps",
+    "training.output_dir",
+    "training.save_every",
+    "training.keep_checkpoints",
+    "training.log_every",
+    "training.tensorboard",
+    "training.eval_every",
+    "training.eval_tasks",
+    "training.eval_success_reward",
+    "training.micro_batch_size",
+    "training.logps_chunk_tokens",
+    "training.gradient_checkpointing",
+    "training.vllm",
+)
+_METRICS = "metrics.csv"
+# What a run writes (``agile-llmenvs show`` adds the page of its rollouts): an overwrite
+# removes these and the checkpoint folders, nothing else.
+_RUN_FILES = (
+    _METRICS,
+    "metrics.png",
+    TENSORBOARD_DIR,
+    RUN_MANIFEST,
+    ROLLOUTS_FILE,
+    "rollouts.html",
+)
+_CHECKPOINT_ENTRY = re.compile(rf"^{CHECKPOINT_PREFIX}\d+(\.partial|\.stale)?$")
+_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """How a run starts in its folder.
+
+    Attributes:
+        output_dir: The run's folder.
+        resume_from: The checkpoint a resume continues from (``None``: a fresh start).
+        overwrite: A fresh start that first removes the run the folder holds.
+        complete: A resume of a run that already reached ``max_steps``: nothing to do.
+    """
+
+    output_dir: Path
+    resume_from: Checkpoint | None = None
+    overwrite: bool = False
+    complete: bool = False
+
+    def complete_result(self) -> TrainResult:
+        """What a complete run left behind, as a run that ran no step reports it."""
+        assert self.resume_from is not None
+        return TrainResult(
+            self.output_dir,
+            self.resume_from.step,
+            metrics_path=self.output_dir / _METRICS,
+            checkpoint_dir=self.resume_from.directory,
+            already_complete=True,
+        )
+
+
+def output_dir_of(manifest: RunManifest) -> Path:
+    """The run's folder: ``training.output_dir``, else ``runs/<name>`` (``runs/<algorithm>``
+    without a name) in the working directory."""
+    config = training_spec(manifest)
+    if config.output_dir is not None:
+        return Path(config.output_dir)
+    name = _UNSAFE_NAME.sub("-", manifest.name or "").strip(".-")
+    return Path("runs") / (name or config.algorithm)
+
+
+def plan_run(manifest: RunManifest, *, resume: bool, overwrite: bool) -> RunPlan:
+    """Decide how the run starts, reading the folder only.
+
+    Raises:
+        CheckpointError: a fresh start on a folder that holds a run (without ``overwrite``);
+            a resume without a complete checkpoint, or of a run whose manifest differs from
+            this one in a field a resume may not change.
+        ValueError: both ``resume`` and ``overwrite``.
+    """
+    if resume and overwrite:
+        raise ValueError("resume and overwrite exclude each other: continue a run, or replace it")
+    output_dir = output_dir_of(manifest)
+    if not resume:
+        held = _run_files(output_dir)
+        if held and not overwrite:
+            raise CheckpointError(
+                f"{output_dir} already holds a run ({', '.join(held)}): continue it with "
+                f"--resume, or replace it with --overwrite"
+            )
+        return RunPlan(output_dir, overwrite=overwrite)
+    checkpoint = find_checkpoint(output_dir, report=False)
+    if checkpoint is None:
+        why = (
+            "the run there stopped before its first save; start it over with --overwrite"
+            if _run_files(output_dir)
+            else "no run has started there; train without --resume to start one"
+        )
+        raise CheckpointError(f"no complete checkpoint to resume from in {output_dir}: {why}")
+    _check_resumable(manifest, output_dir)
+    complete = checkpoint.step >= training_spec(manifest).max_steps
+    return RunPlan(output_dir, resume_from=checkpoint, complete=complete)
+
+
+def start_run(plan: RunPlan, manifest: RunManifest, accelerator: Any) -> None:
+    """On the main process: remove the run an overwrite replaces, then store the manifest
+    this run runs; every process waits until that is done."""
+    if accelerator.is_main_process:
+        plan.output_dir.mkdir(parents=True, exist_ok=True)
+        if plan.overwrite:
+            _remove_run(plan.output_dir)
+        _store_manifest(manifest, plan.output_dir)
+    accelerator.wait_for_everyone()
+
+
+def manifest_differences(ran: RunManifest, new: RunManifest) -> list[tuple[str, Any, Any]]:
+    """The fields, dotted (``training.algorithm``), in which ``new`` differs from the manifest
+    a run ``ran``, with both values; those in :data:`RESUMABLE_CHANGES` are left out.
+
+    Paths are compared as absolute paths (the files they name), ``training.algorithm`` first.
+    """
+    before = absolute_paths(ran).model_dump(mode="json")
+    after = absolute_paths(new).model_dump(mode="json")
+    differences = [d for d in _differences(before, after) if not _may_change(d[0])]
+    return sorted(differences, key=lambda difference: difference[0] != "training.algorithm")
+
+
+def _check_resumable(manifest: RunManifest, output_dir: Path) -> None:
+    stored = output_dir / RUN_MANIFEST
+    if not stored.exists():
+        logger.warning(
+            "%s has no %s (a run from before runs stored their manifest): resuming without "
+            "checking that this manifest matches the one it ran",
+            output_dir,
+            RUN_MANIFEST,
+        )
+        return
+    try:
+        ran = load_manifest(stored)
+    except Exception as exc:  # unreadable, or no longer valid: either way not comparable
+        raise CheckpointError(
+            f"cannot resume {output_dir}: its {RUN_MANIFEST} does not load ({exc}); start over "
+            "with --overwrite"
+        ) from exc
+    differences = manifest_differences(ran, manifest)
+    if differences:
+        (field, before, after), *others = differences
+        names = [name for name, _, _ in others]
+        also = ""
+        if names:
+            listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+            also = f" ({listed} {'differs' if len(names) == 1 else 'differ'} too)"
+        raise CheckpointError(
+            f"cannot resume {output_dir}: the run there has {field} {before!r}, this manifest "
+            f"{after!r}{also}. Resume it with the manifest it ran, {stored}, or start over "
+            f"with --overwrite"
+        )
+
+
+def _may_change(key: str) -> bool:
+    return any(key == field or key.startswith(field + ".") for field in RESUMABLE_CHANGES)
+
+
+def _differences(before: Any, after: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """Where two dumps differ, by dotted key: sections both have are compared field by
+    field, anything else (a value, a list, a section one of them lacks) whole."""
+    if not (isinstance(before, dict) and isinstance(after, dict)):
+        return [] if before == after else [(prefix, before, after)]
+    found = []
+    for key in dict.fromkeys([*before, *after]):
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        found += _differences(before.get(key), after.get(key), dotted)
+    return found
+
+
+def _run_files(output_dir: Path) -> list[str]:
+    """What marks ``output_dir`` as holding a run: its metrics and checkpoint folders."""
+    if not output_dir.is_dir():
+        return []
+    checkpoints = sorted(
+        (entry.name for entry in output_dir.iterdir() if _CHECKPOINT_ENTRY.match(entry.name)),
+        key=lambda name: int(re.sub(r"\D", "", name)),
+    )
+    return ([_METRICS] if (output_dir / _METRICS).exists() else []) + checkpoints
+
+
+def _remove_run(output_dir: Path) -> None:
+    """Remove what a run writes in ``output_dir``; any other file there stays."""
+    for entry in output_dir.iterdir():
+        if entry.name in _RUN_FILES or _CHECKPOINT_ENTRY.match(entry.name):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+
+
+def _store_manifest(manifest: RunManifest, output_dir: Path) -> None:
+    """Write ``output_dir/manifest.yaml`` whole or not at all (a reader never sees half)."""
+    training = training_spec(manifest)
+    pinned = absolute_paths(manifest)
+    pinned = pinned.model_copy(
+        update={"training": training.model_copy(update={"output_dir": str(output_dir.resolve())})}
+    )
+    data = pinned.model_dump(mode="json", exclude_unset=True)
+    partial = output_dir / f".{RUN_MANIFEST}.partial"
+    partial.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    os.replace(partial, output_dir / RUN_MANIFEST)

@@ -503,8 +503,13 @@ def _eval_model(found: _Found, model: Any) -> None:
         found.attempt("model.backend", _installed("vllm", "vllm", "the vllm backend"))
     if model.backend in ("huggingface", "vllm"):
         if model.model != TINY_MODEL:
-            path = model.model
-            found.attempt("model.model", lambda: check_model_dir(path, field="model.model"))
+            from agile_llmenvs.config.factories import model_directory
+
+            path = model.model  # a training run's folder or checkpoint stands for its model
+            found.attempt(
+                "model.model",
+                lambda: check_model_dir(model_directory(path), field="model.model"),
+            )
         return
     sdk = "anthropic" if model.backend == "anthropic" else "openai"
     found.attempt("model.backend", _installed(sdk, "api", f"the {model.backend} backend"))

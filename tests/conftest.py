@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         skip = pytest.mark.skip(reason=f"no terminal sandbox on this host: {exc}")
         for item in terminal:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state() -> Iterator[None]:
+    """Each test starts with no ``accelerate`` state: a trainer run in one test (TRL's, say,
+    with another mixed precision) must not decide how the next test's ``Accelerator`` is
+    set up, as it would in one process otherwise."""
+    yield
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState, PartialState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        PartialState._reset_state()

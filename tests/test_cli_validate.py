@@ -213,11 +213,6 @@ def test_every_shipped_manifest_and_eval_config_validates(
     assert len(capsys.readouterr().out.splitlines()) == len(paths)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue #16: training.common.load_policy loads model.path without calling "
-    "backends.hf.check_model_dir(spec.path, field='model.path') first",
-)
 def test_train_with_a_bad_model_path_is_one_line_naming_it(tmp_path: Path) -> None:
     (tmp_path / "run.yaml").write_text(_rollout() + "model: {path: ./models/absent}\n")
     done = _cli("train", "run.yaml", cwd=tmp_path)

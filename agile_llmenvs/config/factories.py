@@ -166,6 +166,9 @@ def _local_backend(config: ModelConfig) -> Backend:
 
         model_path = str(ensure_tiny_model())
     model_path = model_directory(model_path)
+    from agile_llmenvs.backends.hf import check_model_dir
+
+    check_model_dir(model_path, field="model.model")
     if config.backend == "huggingface":
         from agile_llmenvs.backends.hf import HFBackend, HFConfig
 

@@ -69,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_eval_command(args: argparse.Namespace) -> int:
-    """Run ``eval``; returns the exit status (1 on a config or setup error)."""
+    """Run ``eval``; returns the exit status (2 on a config or setup error)."""
     from agile_llmenvs.config import EvalConfig
 
     try:
@@ -79,21 +79,21 @@ def run_eval_command(args: argparse.Namespace) -> int:
         for error in exc.errors():
             where = ".".join(str(part) for part in error["loc"]) or "(config)"
             print(f"  {where}: {error['msg']}", file=sys.stderr)
-        return 1
+        return 2
     except AgileLLMEnvsError as exc:
         print(f"error {args.config}: {exc}", file=sys.stderr)
-        return 1
+        return 2
     for flag in ("batch_size", "limit", "max_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             print(f"error: --{flag.replace('_', '-')} must be >= 1, got {value}", file=sys.stderr)
-            return 1
+            return 2
     config = _with_overrides(config, args)
     try:
         results = _evaluate(config, args.batch_size or config.batch_size, args.limit)
     except AgileLLMEnvsError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
     print(format_table(results))
     if args.output is not None:
         payload = {

@@ -44,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_train_command(args: argparse.Namespace) -> int:
-    """Run ``train``; returns the exit status (1 on a manifest error).
+    """Run ``train``; returns the exit status (2 on a manifest or setup error).
 
     An error of the run itself (a folder that holds a run, a resume that does not match)
     goes up to the command line, which prints it in one line and exits 2. Other libraries'
@@ -62,13 +62,13 @@ def run_train_command(args: argparse.Namespace) -> int:
         for error in exc.errors():
             where = ".".join(str(part) for part in error["loc"]) or "(manifest)"
             print(f"  {where}: {error['msg']}", file=sys.stderr)
-        return 1
+        return 2
     except (OSError, AgileLLMEnvsError) as exc:
         print(f"error {args.manifest}: {exc}", file=sys.stderr)
-        return 1
+        return 2
     if manifest.training is None:
         print(f"error {args.manifest}: no `training` section to run", file=sys.stderr)
-        return 1
+        return 2
     train = {"grpo": train_grpo, "sft": train_sft, "dpo": train_dpo}[manifest.training.algorithm]
     with nullcontext() if getattr(args, "debug", False) else quiet_libraries():
         result = train(manifest, resume=args.resume, overwrite=args.overwrite)
@@ -94,8 +94,8 @@ def summary_line(
     if mean is not None:
         span = f"step {mean.last}" if mean.first == mean.last else f"steps {mean.first}-{mean.last}"
         measured = f", {label} {mean.value:.4g} over {span}"
-    model = Path(result.checkpoint_dir or result.output_dir) / "model"
-    evaluate = f"Evaluate with: agile-llmenvs eval CONFIG.yaml (model.model: {model})"
+    model = Path(result.checkpoint_dir or result.output_dir)
+    evaluate = f"Evaluate with: agile-llmenvs eval CONFIG.yaml --model {model}"
     if result.already_complete:
         return (
             f"{result.output_dir} is already complete at step {result.steps} of {max_steps}"

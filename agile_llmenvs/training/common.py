@@ -71,9 +71,11 @@ def load_policy(spec: ModelSpec) -> tuple[Any, Any]:
     """Load the model (``spec.path``, else the built-in tiny model) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from agile_llmenvs.backends.hf import check_model_dir
     from agile_llmenvs.tiny_model import ensure_tiny_model
 
-    path = spec.path or str(ensure_tiny_model())
+    path = str(check_model_dir(spec.path, field="model.path")) if spec.path else ""
+    path = path or str(ensure_tiny_model())
     tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path or path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, spec.dtype))
     return model, tokenizer

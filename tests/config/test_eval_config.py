@@ -35,10 +35,10 @@ def test_the_example_config_loads() -> None:
     config = EvalConfig.from_yaml(EXAMPLE)
     assert config.environments == [EnvironmentConfig(name="leg_counting", size=500, seed=42)]
     assert config.model == ModelConfig(backend="huggingface", model="tiny")
-    assert config.inference == InferenceConfig(temperature=0.0, max_tokens=1024)
+    assert config.inference == InferenceConfig(temperature=0.0, max_tokens=32)
     assert (config.batch_size, config.system_prompt) == (64, "Think step by step.")
     assert create_sampling_params(config.inference) == SamplingParams(
-        max_tokens=1024, temperature=0.0
+        max_tokens=32, temperature=0.0
     )
 
 

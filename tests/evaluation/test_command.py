@@ -60,12 +60,12 @@ def test_eval_prints_a_table_and_writes_json(
 def test_eval_names_the_bad_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "bad.yaml"
     config.write_text("environments: [{name: a}]\nmodel: {backend: openai}\n", encoding="utf-8")
-    assert run(["eval", str(config)]) == 1
+    assert run(["eval", str(config)]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"error {config}: 1 problem(s)",
         "  model.model: Field required",
     ]
-    assert run(["eval", str(tmp_path / "missing.yaml")]) == 1
+    assert run(["eval", str(tmp_path / "missing.yaml")]) == 2
     assert "cannot read eval config" in capsys.readouterr().err
 
 
@@ -79,7 +79,7 @@ def test_eval_reports_setup_errors(
         "model: {backend: anthropic, model: claude}\n",
         encoding="utf-8",
     )
-    assert run(["eval", str(config)]) == 1
+    assert run(["eval", str(config)]) == 2
     assert capsys.readouterr().err == (
         "error: AnthropicBackend needs an API key: pass api_key=... or set ANTHROPIC_API_KEY.\n"
     )

@@ -89,9 +89,9 @@ def test_limit_and_max_tokens_must_be_positive(
     tmp_path: Path, server: ChatAPIServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = write(tmp_path, ONE_ENV.format(url=server.openai_url))
-    assert run(["eval", str(config), "--limit", "0"]) == 1
+    assert run(["eval", str(config), "--limit", "0"]) == 2
     assert capsys.readouterr().err == "error: --limit must be >= 1, got 0\n"
-    assert run(["eval", str(config), "--max-tokens", "-2"]) == 1
+    assert run(["eval", str(config), "--max-tokens", "-2"]) == 2
     assert capsys.readouterr().err == "error: --max-tokens must be >= 1, got -2\n"
     assert server.requests == []
 
@@ -378,7 +378,7 @@ def test_a_run_folder_without_a_complete_checkpoint_is_refused(
     config = write(tmp_path, ONE_ENV.format(url=server.openai_url))
     assert run(["eval", str(config), "--model", str(run_dir)]) == 0  # an API model: a name
     text = ONE_ENV.format(url=server.openai_url).replace("backend: openai", "backend: huggingface")
-    assert run(["eval", str(write(tmp_path, text)), "--model", str(run_dir)]) == 1
+    assert run(["eval", str(write(tmp_path, text)), "--model", str(run_dir)]) == 2
     assert capsys.readouterr().err.endswith(
         f"error: model: the run folder {run_dir} has no complete checkpoint (only partial or "
         "damaged ones); name a checkpoint-<step> folder, or train until one is saved\n"

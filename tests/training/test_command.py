@@ -27,5 +27,5 @@ def test_train_reports_a_manifest_without_training(
 ) -> None:
     path = tmp_path / "env_only.yaml"
     path.write_text("env: {env_type: gym, name: CartPole-v1}\n")
-    assert main(["train", str(path)]) == 1
+    assert main(["train", str(path)]) == 2
     assert "no `training` section" in capsys.readouterr().err

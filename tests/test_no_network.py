@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -167,20 +168,45 @@ def test_the_guard_refuses_and_records_remote_hosts(
     assert attempt.startswith("getaddrinfo example.org:443 from ")
 
 
+def readme_next_steps() -> list[list[str]]:
+    """The commands of the README's "Next steps" block, as argument lists."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = text.split("## Next steps", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [shlex.split(line) for line in block.splitlines() if line.strip()]
+
+
+def test_the_readme_next_steps_are_agile_llmenvs_commands() -> None:
+    commands = readme_next_steps()
+    assert [command[:2] for command in commands] == [
+        ["agile-llmenvs", "eval"],
+        ["agile-llmenvs", "show"],
+        ["agile-llmenvs", "train"],
+        ["agile-llmenvs", "train"],
+        ["agile-llmenvs", "train"],
+        ["agile-llmenvs", "validate"],
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # the quick start takes about a minute on 2 idle cores
 def test_quickstart_train_and_eval_make_no_network_call(
     guarded_env: dict[str, str], tmp_path: Path
 ) -> None:
-    """The full quick start (800 GRPO steps), its eval, and the shipped eval example."""
-    _run(["train", str(ROOT / "manifests" / "quickstart.yaml")], guarded_env, tmp_path)
+    """The full quick start (800 GRPO steps), its eval, the shipped eval example, and every
+    command of the README's "Next steps", run as a reader runs them (from a folder whose
+    ``manifests`` is the repository's)."""
+    (tmp_path / "manifests").symlink_to(ROOT / "manifests")
+    _run(["train", "manifests/quickstart.yaml"], guarded_env, tmp_path)
     assert (tmp_path / "runs" / "quickstart" / "checkpoint-800" / "model").is_dir()
-    config = ROOT / "manifests" / "eval" / "quickstart.yaml"
-    table = _run(["eval", str(config)], guarded_env, tmp_path)
-    [overall] = [line for line in table.splitlines() if line.startswith("overall")]
+    outputs = [_run(command[1:], guarded_env, tmp_path) for command in readme_next_steps()]
+    [overall] = [line for line in outputs[0].splitlines() if line.startswith("overall")]
     tasks, accuracy = overall.split()[1:3]
     assert tasks == "10"
-    assert float(accuracy.rstrip("%")) >= 90.0, table  # what the quick start learned
+    assert float(accuracy.rstrip("%")) >= 90.0, outputs[0]  # what the quick start learned
+    assert (tmp_path / "runs" / "quickstart" / "rollouts.html").is_file()
+    assert "is already complete" in outputs[2]
+    assert (tmp_path / "runs" / "digits-sft" / "metrics.csv").is_file()
+    assert (tmp_path / "runs" / "digits-dpo" / "metrics.csv").is_file()
     if importlib.util.find_spec("reasoning_gym") is not None:  # the `envs` extra
         example = ROOT / "manifests" / "eval" / "leg_counting.yaml"
         _run(["eval", str(example), "--limit", "4"], guarded_env, tmp_path)

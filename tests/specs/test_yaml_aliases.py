@@ -64,8 +64,8 @@ def test_an_alias_bomb_manifest_is_refused_quickly(tmp_path: Path) -> None:
 
 def test_validate_reports_an_alias_bomb(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _write(tmp_path, "bomb.yaml", BOMB)
-    assert main(["validate", str(path)]) == 1
-    assert capsys.readouterr().err == f"error {path}: {path}: not valid YAML: {REFUSAL}\n"
+    assert main(["validate", str(path)]) == 2  # a user's mistake: one line, exit 2
+    assert capsys.readouterr().err == f"error {path}: not valid YAML: {REFUSAL}\n"
 
 
 def test_eval_configs_and_env_config_files_refuse_an_alias_bomb(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from agile_llmenvs.backends.api import APIConfig, RetryPolicy
 from agile_llmenvs.backends.types import Backend, SamplingParams
@@ -93,7 +93,7 @@ class BackendFactory:
         return backend
 
 
-def _manifest_env_factory(path: str, split: str) -> Callable[[], TextEnv]:
+def _manifest_env_factory(path: str, split: Literal["train", "test"]) -> Callable[[], TextEnv]:
     """Fresh text envs of the rollout env a training manifest declares, as it trains on it."""
     from agile_llmenvs.specs import LLMEnvSpec, load_manifest
 
@@ -107,26 +107,15 @@ def _manifest_env_factory(path: str, split: str) -> Callable[[], TextEnv]:
             f"manifest: {path} declares a {spec.env_type} env; evaluation plays rollout envs "
             "(env_type: rollout, with dataset rows and a rubric, or an entrypoint)"
         )
-    if spec.source == "dataset":
-        from agile_llmenvs.llm_envs.rows import load_rows
-        from agile_llmenvs.llm_envs.rubric import RubricEnv, load_rubric
+    if spec.source not in ("dataset", "entrypoint"):
+        raise EnvBuildError(
+            f"manifest: {path} plays a served env ({spec.source}); evaluate it with "
+            "source: entry_point, or give the manifest dataset rows or an entrypoint"
+        )
+    from agile_llmenvs.transport.resolve import text_env_factory
 
-        assert spec.rubric_file_path is not None  # the spec guarantees a rubric with rows
-        rubric = load_rubric(spec.rubric_file_path, spec.rubric_name)
-        train, test = load_rows(spec, manifest.seed or 0)  # the split training made
-        rows = (train if split == "train" else test).to_list()
-        if not rows:
-            raise EnvBuildError(f"manifest: {path} has no {split} rows to evaluate on")
-        template, max_reward = spec.prompt_template, spec.max_reward
-        return lambda: RubricEnv(rows, rubric, prompt_template=template, max_reward=max_reward)
-    if spec.source == "entrypoint" and spec.entrypoint is not None:
-        from agile_llmenvs.transport.resolve import env_factory
-
-        return env_factory(spec.entrypoint, spec.env_config, factory=spec.factory)
-    raise EnvBuildError(
-        f"manifest: {path} plays a served env ({spec.source}); evaluate it with "
-        "source: entry_point, or give the manifest dataset rows or an entrypoint"
-    )
+    # the rows of the split training made (its seed), or the entrypoint env as it trains
+    return text_env_factory(spec, seed=manifest.seed or 0, split=split)
 
 
 _CHECKPOINT = re.compile(r"^checkpoint-\d+$")

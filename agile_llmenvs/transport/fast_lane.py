@@ -24,15 +24,13 @@ __all__ = ["FastLane", "LaneBatcher", "LaneJob"]
 class LaneJob:
     """One call handed to the lane: done at once, or awaited through :meth:`future`."""
 
-    __slots__ = ("_done", "_guard", "_waiter", "call", "error", "finished", "started", "value")
+    __slots__ = ("_done", "_guard", "_waiter", "call", "error", "started", "value")
 
     def __init__(self, call: Callable[[], Any]) -> None:
         self.call = call
         self.started = False
         self.value: Any = None
         self.error: BaseException | None = None
-        self.finished = threading.Lock()
-        self.finished.acquire()
         self._guard = threading.Lock()
         self._done = False
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]] | None = None
@@ -62,7 +60,6 @@ class LaneJob:
         with self._guard:
             self._done = True
             waiter = self._waiter
-        self.finished.release()
         if waiter is not None:
             loop, future = waiter
             loop.call_soon_threadsafe(_deliver, future, self)

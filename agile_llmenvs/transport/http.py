@@ -21,7 +21,13 @@ from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import ServerConnection
 
-__all__ = ["HttpRequest", "HttpResponse", "RoutingConnection", "routing_connection"]
+__all__ = [
+    "SERVER_ERROR",
+    "HttpRequest",
+    "HttpResponse",
+    "RoutingConnection",
+    "routing_connection",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +75,9 @@ class HttpResponse:
         )
         return head.encode() + payload
 
+
+#: What a failing handler answers: uvicorn's own 500 (plain text).
+SERVER_ERROR = HttpResponse(500, "Internal Server Error", text=True)
 
 HttpHandler = Callable[[HttpRequest], Awaitable[HttpResponse]]
 
@@ -181,7 +190,7 @@ class RoutingConnection(ServerConnection):
             response = request if isinstance(request, HttpResponse) else await self.answer(request)
         except Exception:
             logger.exception("the env server's HTTP handler failed")
-            response = HttpResponse(500, {"detail": "Internal Server Error"})
+            response = SERVER_ERROR
         if transport.is_closing():
             return
         transport.write(response.encode())

@@ -28,6 +28,7 @@ __all__ = [
     "state_frame",
     "strict_json_loads",
     "text_observation_frame",
+    "validation_errors",
 ]
 
 
@@ -179,6 +180,15 @@ def parse_message(raw: str) -> tuple[str, dict[str, Any]]:
             errors=json.loads(exc.json(include_url=False, include_context=False)),
         ) from None
     return message.type, getattr(message, "data", {})
+
+
+def validation_errors(exc: ValidationError, *prefix: str) -> list[dict[str, Any]]:
+    """A validation error's list as JSON data (what OpenEnv sends as ``exc.errors()``), each
+    ``loc`` under ``prefix`` (FastAPI's ``body``, say)."""
+    errors: list[dict[str, Any]] = json.loads(exc.json())
+    for error in errors:
+        error["loc"] = [*prefix, *error["loc"]]
+    return errors
 
 
 def observation_frame(observation: BaseModel) -> str:

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from packaging.requirements import InvalidRequirement, Requirement
 
@@ -88,20 +88,24 @@ def env_factory(
 
 
 def text_env_factory(
-    spec: LLMEnvSpec, *, seed: int = 0, allow_install: bool = False
+    spec: LLMEnvSpec,
+    *,
+    seed: int = 0,
+    split: Literal["train", "test"] = "train",
+    allow_install: bool = False,
 ) -> Callable[[], TextEnv]:
     """A zero-argument callable building a fresh text env of a rollout spec per call: what a
-    server hosts for it.
+    server hosts for it, and what an eval of a training manifest plays.
 
     An ``entrypoint`` env is built as :func:`env_factory` builds it (after its
     ``env_packages`` are checked); a dataset-backed env is a single-turn
-    :class:`~agile_llmenvs.llm_envs.rubric.RubricEnv` over the train rows (split by ``seed``,
-    as training splits them), scored by the spec's rubric.
+    :class:`~agile_llmenvs.llm_envs.rubric.RubricEnv` over the ``split`` rows (split by
+    ``seed``, as training splits them), scored by the spec's rubric.
 
     Raises:
         EnvBuildError: the spec is not a rollout env of one of those sources (an ``env_url``
             is hosted already; an ``env_image`` runs as its own Pod), its rows or rubric
-            cannot be loaded, or its ``env_packages`` are missing.
+            cannot be loaded, the split has no rows, or its ``env_packages`` are missing.
         ImportPathError: the entrypoint or factory does not resolve.
     """
     if spec.env_type != "rollout":
@@ -119,7 +123,10 @@ def text_env_factory(
 
         assert spec.rubric_file_path is not None  # the spec guarantees a rubric with rows
         rubric = load_rubric(spec.rubric_file_path, spec.rubric_name)
-        rows = load_rows(spec, seed)[0].to_list()
+        train, test = load_rows(spec, seed)
+        rows = (train if split == "train" else test).to_list()
+        if not rows:
+            raise EnvBuildError(f"env: {spec.label!r} has no {split} rows to play")
         template, max_reward = spec.prompt_template, spec.max_reward
         return lambda: RubricEnv(rows, rubric, prompt_template=template, max_reward=max_reward)
     where = (

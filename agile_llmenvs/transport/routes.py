@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import time
 import uuid
 from collections.abc import Callable
@@ -29,9 +28,9 @@ from agile_llmenvs.transport._openenv import (
     StepResponse,
     deserialize_action,
 )
-from agile_llmenvs.transport.http import HttpRequest, HttpResponse
+from agile_llmenvs.transport.http import SERVER_ERROR, HttpRequest, HttpResponse
 from agile_llmenvs.transport.mcp import mcp_error, mcp_reply, parse_rpc
-from agile_llmenvs.transport.protocol import strict_json_loads
+from agile_llmenvs.transport.protocol import strict_json_loads, validation_errors
 
 if TYPE_CHECKING:
     from agile_llmenvs.transport.sessions import SessionHost
@@ -50,7 +49,6 @@ _SHARED = HttpResponse(
 )
 _GET_PATHS = frozenset({"/health", "/metadata", "/schema", "/state", "/sessions", "/ws"})
 _POST_PATHS = frozenset({"/reset", "/step", "/mcp"})
-_SERVER_ERROR = HttpResponse(500, "Internal Server Error", text=True)
 
 
 @dataclass
@@ -126,7 +124,7 @@ class HttpRoutes:
         try:
             observation = await self._with_fresh_env(lambda env: self.host.reset(env, kwargs))
         except Exception:
-            return _SERVER_ERROR
+            return SERVER_ERROR
         return HttpResponse(200, _response(ResetResponse, observation))
 
     async def _step(self, request: HttpRequest) -> HttpResponse:
@@ -138,11 +136,11 @@ class HttpRoutes:
         try:
             action = deserialize_action(step.action, types.action)
         except ValidationError as exc:
-            return HttpResponse(422, {"detail": _errors(exc)})
+            return HttpResponse(422, {"detail": validation_errors(exc)})
         try:
             observation = await self._with_fresh_env(lambda env: host.step(env, action))
         except Exception:
-            return _SERVER_ERROR
+            return SERVER_ERROR
         return HttpResponse(200, _response(StepResponse, observation))
 
     async def _mcp(self, request: HttpRequest) -> HttpResponse:
@@ -364,15 +362,8 @@ def _body_model(request: HttpRequest, model: Any, default: Any = None) -> Any:
         return _unprocessable(exc, "body")
 
 
-def _errors(exc: ValidationError, *prefix: str) -> list[dict[str, Any]]:
-    errors: list[dict[str, Any]] = json.loads(exc.json())
-    for error in errors:
-        error["loc"] = [*prefix, *error["loc"]]
-    return errors
-
-
 def _unprocessable(exc: ValidationError, *prefix: str) -> HttpResponse:
-    errors = _errors(exc, *prefix)
+    errors = validation_errors(exc, *prefix)
     for error in errors:
         error.pop("url", None)
     return HttpResponse(422, {"detail": errors})

@@ -35,7 +35,7 @@ from agile_llmenvs.transport._openenv import Environment, deserialize_action
 from agile_llmenvs.transport.calls import CallMode, CallPolicy
 from agile_llmenvs.transport.env_types import EnvTypes, infer_env_types
 from agile_llmenvs.transport.fast_lane import FastLane, LaneBatcher
-from agile_llmenvs.transport.http import HttpRequest, HttpResponse
+from agile_llmenvs.transport.http import SERVER_ERROR, HttpRequest, HttpResponse
 from agile_llmenvs.transport.mcp import parse_rpc
 from agile_llmenvs.transport.protocol import (
     ErrorCode,
@@ -45,6 +45,7 @@ from agile_llmenvs.transport.protocol import (
     observation_frame,
     parse_message,
     state_frame,
+    validation_errors,
 )
 from agile_llmenvs.transport.routes import HttpRoutes, open_mcp_session
 from agile_llmenvs.transport.types import TextAction
@@ -172,7 +173,7 @@ class SessionHost:
             answer = await self.routes.get(path)
         except Exception:
             logger.exception("GET %s failed", path)
-            answer = HttpResponse(500, "Internal Server Error", text=True)
+            answer = SERVER_ERROR
         return _response(answer)
 
     async def answer_http(self, request: HttpRequest) -> HttpResponse:
@@ -363,7 +364,7 @@ class SessionHost:
                     action = deserialize_action(data, types.action)
                 except ValidationError as exc:  # OpenEnv's reply, word for word
                     return error_frame(
-                        ErrorCode.VALIDATION_ERROR, "Invalid message", errors=_errors(exc)
+                        ErrorCode.VALIDATION_ERROR, "Invalid message", errors=validation_errors(exc)
                     )
                 observation = await self._call(env, "step", action)
             return observation_frame(observation)
@@ -550,8 +551,3 @@ def _response(answer: HttpResponse) -> Response:
         [("Content-Type", answer.content_type), ("Content-Length", str(len(payload)))]
     )
     return Response(answer.status, HTTPStatus(answer.status).phrase, headers, payload)
-
-
-def _errors(exc: ValidationError) -> list[dict[str, Any]]:
-    """A validation error's list as JSON data (OpenEnv sends ``exc.errors()``)."""
-    return list(json.loads(exc.json()))

@@ -168,8 +168,7 @@ class OpenEnvServer:
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(timeout_s)
         self._socket.close()
-        self.host_sessions.executor.shutdown(wait=False, cancel_futures=True)
-        self.host_sessions.lane.close()
+        self.host_sessions.env_calls.close()
 
     def __enter__(self) -> OpenEnvServer:
         return self

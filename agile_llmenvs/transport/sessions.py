@@ -1,26 +1,21 @@
 """Serve OpenEnv's ``/ws`` protocol: one env per WebSocket session.
 
 It speaks exactly OpenEnv's wire format (OpenEnv's own client drives it) on the ``websockets``
-library's asyncio server, with no web framework between the socket and the env. Sync env
-calls run where :class:`~agile_llmenvs.transport.calls.CallPolicy` says (a shared thread pool,
-or inline once an env has shown its calls are fast); envs implementing OpenEnv's
-``reset_async`` / ``step_async`` are awaited directly.
+library's asyncio server, with no web framework between the socket and the env. Env calls
+run where :class:`~agile_llmenvs.transport.env_calls.EnvCalls` runs them; plain HTTP routes
+are :class:`~agile_llmenvs.transport.routes.HttpRoutes`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import hmac
 import inspect
 import json
 import logging
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -32,9 +27,9 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from agile_llmenvs.transport._openenv import Environment, deserialize_action
-from agile_llmenvs.transport.calls import CallMode, CallPolicy
+from agile_llmenvs.transport.calls import CallMode
+from agile_llmenvs.transport.env_calls import Discard, EnvCalls
 from agile_llmenvs.transport.env_types import EnvTypes, infer_env_types
-from agile_llmenvs.transport.fast_lane import FastLane, LaneBatcher
 from agile_llmenvs.transport.http import SERVER_ERROR, HttpRequest, HttpResponse
 from agile_llmenvs.transport.mcp import parse_rpc
 from agile_llmenvs.transport.protocol import (
@@ -144,10 +139,7 @@ class SessionHost:
         self.owns_envs = owns_envs
         self.active_sessions = 0
         threads = settings.executor_threads or min(max_sessions or 256, 256)
-        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="env-session")
-        self.calls = CallPolicy(settings.env_calls)
-        self.lane = FastLane()
-        self.batcher = LaneBatcher(self.lane, settings.inline_wait_s)
+        self.env_calls = EnvCalls(settings, threads, lambda: self.active_sessions)
         self.routes = HttpRoutes(self)
         if token is not None and not token:
             raise ValueError(
@@ -205,7 +197,7 @@ class SessionHost:
 
     async def build_env(self) -> Environment:
         """A fresh env from the factory, bounded like any env call."""
-        env: Environment = await self._call_bounded(self.make_env)
+        env: Environment = await self.env_calls.call_bounded(self.make_env)
         self.types_of(env)
         return env
 
@@ -213,17 +205,17 @@ class SessionHost:
         """Close ``env`` if this host owns its envs; a failing close is logged, not raised."""
         if self.owns_envs:
             try:
-                await self._call_bounded(env.close)
-            except (Exception, _Discard) as exc:
+                await self.env_calls.call_bounded(env.close)
+            except (Exception, Discard) as exc:
                 logger.warning("closing an env failed: %s", exc)
 
     async def reset(self, env: Environment, kwargs: dict[str, Any]) -> Any:
         """``env.reset(**kwargs)``, the kwargs it cannot take dropped (as OpenEnv does)."""
-        return await self._call(env, "reset", **_reset_kwargs(env, kwargs))
+        return await self.env_calls.call(env, "reset", **_reset_kwargs(env, kwargs))
 
     async def step(self, env: Environment, action: Any) -> Any:
         """``env.step(action)`` where the call policy runs env calls."""
-        return await self._call(env, "step", action)
+        return await self.env_calls.call(env, "step", action)
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -263,7 +255,7 @@ class SessionHost:
             return
         try:
             await self._serve(ws, session.env, self.types_of(session.env), None, session_id)
-        except (ConnectionClosed, _Discard):
+        except (ConnectionClosed, Discard):
             pass
         finally:
             await self.routes.detach(session_id)
@@ -278,9 +270,9 @@ class SessionHost:
         except ConnectionClosed:
             return
         try:
-            env = await self._call_bounded(self.make_env)
-        except (Exception, _Discard) as exc:
-            failed = exc.exc if isinstance(exc, _Discard) else exc
+            env = await self.env_calls.call_bounded(self.make_env)
+        except (Exception, Discard) as exc:
+            failed = exc.exc if isinstance(exc, Discard) else exc
             logger.error("env factory failed: %s: %s", type(failed).__name__, failed)
             await _fail_session(ws, ErrorCode.FACTORY_ERROR, failed, "env factory failed")
             return
@@ -292,13 +284,13 @@ class SessionHost:
                 await self._serve(ws, env, types, first)
         except ConnectionClosed:
             pass
-        except _Discard as failure:
+        except Discard as failure:
             discarded = True
             await _fail_session(ws, ErrorCode.EXECUTION_ERROR, failure.exc, "env discarded")
         finally:
             if self.owns_envs or discarded:
                 with contextlib.suppress(BaseException):
-                    await self._call_bounded(env.close)
+                    await self.env_calls.call_bounded(env.close)
 
     async def _serve(
         self,
@@ -353,11 +345,11 @@ class SessionHost:
             if kind == "state":
                 return state_frame(env.state)
             if kind == "reset":
-                observation = await self._call(env, "reset", **_reset_kwargs(env, data))
+                observation = await self.env_calls.call(env, "reset", **_reset_kwargs(env, data))
             elif kind == "mcp":
                 return await self._mcp(env, data, session_id)
             elif _plain_text_step(env, types, data):  # nearly every step of a hosted text env
-                frame: str = await self._call(env, "step_frame", data["message"])
+                frame: str = await self.env_calls.call(env, "step_frame", data["message"])
                 return frame
             else:
                 try:
@@ -366,11 +358,11 @@ class SessionHost:
                     return error_frame(
                         ErrorCode.VALIDATION_ERROR, "Invalid message", errors=validation_errors(exc)
                     )
-                observation = await self._call(env, "step", action)
+                observation = await self.env_calls.call(env, "step", action)
             return observation_frame(observation)
         except WireError as exc:
             return error_frame(exc.code, str(exc), **exc.extra)
-        except _Discard:
+        except Discard:
             raise
         except Exception as exc:
             return error_frame(
@@ -385,97 +377,6 @@ class SessionHost:
         if request is not None:
             reply = await self.routes.mcp(request, env, session_id)
         return json.dumps({"type": "mcp", "data": reply})
-
-    async def _call(self, env: Environment, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run one env call where the call policy says, bounded by ``env_step_timeout_s``.
-
-        Raises:
-            _Discard: the call outlived its bound or raised a ``BaseException`` that is not
-                an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``): the session ends
-                and its env is discarded; the server goes on.
-        """
-        env_class = type(env)
-        overridden = getattr(env_class, f"{method}_async", None)
-        if overridden is not None and overridden is not getattr(Environment, f"{method}_async"):
-            task = asyncio.ensure_future(getattr(env, f"{method}_async")(*args, **kwargs))
-            return await self._settle(task, method)
-        call = partial(self._timed, env_class, partial(getattr(env, method), *args, **kwargs))
-        wait = self.calls.wait_s(env_class, self.settings.inline_wait_s)
-        if wait is None:  # env_calls="inline": on the loop itself, unbounded
-            return _result(call)
-        what = method.removesuffix("_frame")
-        if wait > 0 and self.lane.free:  # proven fast: to the lane, with this iteration's others
-            if self.active_sessions > 1:
-                job = await self.batcher.add(call)
-            else:  # no other session to batch with: hand it over now, saving a loop turn
-                job = self.lane.run(call, wait)
-            if job is not None:
-                if job.done:
-                    return _result(job.result)
-                return await self._settle(job.future(asyncio.get_running_loop()), what)
-            wait = 0.0  # the lane never started it: the thread pool runs it
-        future = self.executor.submit(call)
-        if wait > 0:
-            concurrent.futures.wait((future,), timeout=wait)
-        if future.done():
-            return _result(future.result)
-        return await self._settle(asyncio.wrap_future(future), what)
-
-    async def _call_bounded(self, call: Callable[[], Any]) -> Any:
-        """``call()`` in the thread pool, bounded like an env call (the factory, close)."""
-        future = asyncio.get_running_loop().run_in_executor(self.executor, call)
-        return await self._settle(future, getattr(call, "__name__", "env call"))
-
-    async def _settle(self, future: asyncio.Future[Any], what: str) -> Any:
-        """The result of an env call's future, waited for at most ``env_step_timeout_s``."""
-        timeout = self.settings.env_step_timeout_s
-        done, _ = await asyncio.wait((future,), timeout=timeout)
-        if not done:
-            future.cancel()  # an async env stops; a thread cannot be stopped from outside
-            raise _Discard(
-                EnvCallTimeout(
-                    f"the env's {what} took longer than env_step_timeout_s={timeout:g} s; "
-                    "the session is closed and its env discarded"
-                )
-            )
-        return _result(future.result)
-
-    def _timed(self, env_class: type, call: Callable[[], Any]) -> Any:
-        """Run ``call`` and report its own duration (never the wait for a worker thread,
-        which grows with the number of sessions, not with the env's cost)."""
-        start = time.perf_counter()
-        try:
-            return call()
-        finally:
-            self.calls.record(env_class, time.perf_counter() - start)
-
-
-class _Discard(Exception):
-    """An env call that ends its session: it outlived ``env_step_timeout_s``, or raised a
-    ``BaseException`` such as ``SystemExit`` (which must not stop the server)."""
-
-    def __init__(self, exc: BaseException) -> None:
-        super().__init__(str(exc))
-        self.exc = exc
-
-
-class EnvCallTimeout(Exception):
-    """An env call outlived ``env_step_timeout_s`` (reported to the client, never raised
-    to the caller of the server)."""
-
-
-def _result(get: Callable[[], Any]) -> Any:
-    """``get()``; a ``BaseException`` that is no ``Exception`` (an env's ``SystemExit``,
-    ``KeyboardInterrupt``) becomes :class:`_Discard` instead of stopping the server."""
-    try:
-        return get()
-    except Exception:
-        raise
-    except asyncio.CancelledError:
-        raise
-    except BaseException as exc:
-        logger.error("an env call raised %s; its session is closed", type(exc).__name__)
-        raise _Discard(exc) from None
 
 
 async def _fail_session(

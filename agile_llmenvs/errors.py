@@ -24,6 +24,8 @@ __all__ = [
     "EnvProtocolError",
     "EnvStateError",
     "EnvTimeoutError",
+    "GenerationServerError",
+    "GenerationTimeoutError",
     "ImportPathError",
     "ManifestError",
     "OptionalDependencyError",
@@ -135,6 +137,22 @@ class BackendError(AgileLLMEnvsError, RuntimeError):
     def __init__(self, message: str, *, status_code: int | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
+
+
+class GenerationServerError(BackendError):
+    """A generation server (a running ``vllm serve``) failed a request: it refused it,
+    answered with an error, or could not be reached (it died, or never started).
+
+    Only the requests sent to that server fail; ``url`` names it.
+    """
+
+    def __init__(self, message: str, *, url: str, status_code: int | None = None) -> None:
+        super().__init__(message, status_code=status_code)
+        self.url = url
+
+
+class GenerationTimeoutError(GenerationServerError, TimeoutError):
+    """A generation server did not answer a request within the backend's ``timeout_s``."""
 
 
 class EvaluationError(AgileLLMEnvsError, ValueError):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 __all__ = [
+    "AsyncTokenBackend",
     "Backend",
     "Completion",
     "FinishReason",
@@ -162,4 +163,29 @@ class TokenBackend(Backend, Protocol):
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[Generation]:
         """Sample one continuation per prompt of token ids, as one batched call."""
+        ...
+
+
+@runtime_checkable
+class AsyncTokenBackend(Protocol):
+    """A backend that generates one prompt of token ids per awaitable call, so each episode
+    asks for its next turn as soon as its env replies (a ``vllm serve`` batches them itself).
+
+    Calls run on :data:`~agile_llmenvs.transport.session_loop.SESSION_LOOP`'s loop, the one
+    remote env sessions use, so rollouts need no thread per episode.
+    """
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (with its chat template)."""
+        ...
+
+    @property
+    def version(self) -> int:
+        """The policy version now served: 0 at start, raised by each weight sync."""
+        ...
+
+    async def agenerate(self, prompt: Sequence[int], params: SamplingParams) -> Generation:
+        """Sample one continuation of ``prompt``; a failure raises
+        :class:`~agile_llmenvs.errors.GenerationServerError` for this request only."""
         ...

@@ -96,7 +96,21 @@ class WeightSyncWorker:
         """
         from safetensors.torch import load
 
-        weights = load(bytes(payload))
+        return self._reload(load(bytes(payload)))
+
+    def load_policy_weights_from(self, path: str) -> int:
+        """Reload the model's weights from a safetensors file of Hugging Face names (what
+        :meth:`~agile_llmenvs.backends.VLLMServerBackend.sync_weights` writes; a server's
+        ``/collective_rpc`` passes string arguments only).
+
+        Returns:
+            How many tensors came.
+        """
+        from safetensors.torch import load_file
+
+        return self._reload(load_file(path))
+
+    def _reload(self, weights: dict[str, Any]) -> int:
         worker: Any = self
         worker.reload_weights(weights_iterator=iter(weights.items()))
         _reprocess_tied_heads(worker.model_runner.model)

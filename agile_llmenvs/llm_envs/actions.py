@@ -6,27 +6,141 @@ format; every call runs, in order, and each result goes back in the template's t
 (or, for a template without one, all of them in one user message). A call inside a reasoning
 block is not a call. A malformed call reaches no tool: the turn scores
 ``malformed_tool_call_reward`` and the policy is told why.
+
+The turn logic makes no env call itself (sans-IO): it is a generator (an :data:`EnvTurn`) that
+yields each env call as an :class:`EnvCall` value and receives the reply, or has the call's
+exception thrown in. Two thin drivers perform the calls: :func:`drive` on the client's blocking
+API, :meth:`AsyncEnvCalls.drive` on its async API (a remote session's, on the session loop) or,
+for an env in this process, on a thread or inline. So the sync and async paths cannot drift.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import asyncio
+import time
+from collections.abc import Callable, Generator, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from agile_llmenvs.errors import EnvError
 from agile_llmenvs.llm_envs.framing import ChatFramer
 from agile_llmenvs.llm_envs.tool_calls import ToolCall, parse_tool_calls, strip_reasoning
+from agile_llmenvs.transport.calls import CallPolicy
+from agile_llmenvs.transport.client import InProcessEnvClient
 from agile_llmenvs.transport.types import EnvReply
 
-__all__ = ["MALFORMED_FEEDBACK", "ActionOutcome", "ActionPlayer"]
+__all__ = [
+    "MALFORMED_FEEDBACK",
+    "ActionOutcome",
+    "ActionPlayer",
+    "AsyncEnvCalls",
+    "EnvCall",
+    "EnvTurn",
+    "drive",
+]
+
+T = TypeVar("T")
 
 MALFORMED_FEEDBACK = (
     "Error: your tool call could not be parsed ({reason}). Call a tool as "
     '<tool_call>{{"name": "...", "arguments": {{...}}}}</tool_call>.'
 )
 _DEFAULT_REASONING = ("<think>", "</think>")
+
+
+@dataclass(frozen=True)
+class EnvCall:
+    """One env call as a value: the client method's name (``reset``, ``step``,
+    ``call_tool``, ``list_tools``, ``state``) and its arguments."""
+
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __call__(self, client: Any) -> Any:
+        """Make the call on ``client``'s blocking API."""
+        return getattr(client, self.method)(*self.args, **self.kwargs)
+
+
+EnvTurn = Generator[EnvCall, Any, T]
+"""Turn logic: yields the env calls to make, receives each reply, returns the turn's result."""
+
+
+def drive(turn: EnvTurn[T], client: Any) -> T:
+    """Run ``turn`` with its env calls made on ``client``'s blocking API, one at a time."""
+    try:
+        call = next(turn)
+        while True:
+            try:
+                reply = call(client)
+            except Exception as exc:  # the turn decides: an env failure is a value there
+                call = turn.throw(exc)
+            else:
+                call = turn.send(reply)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+
+
+class AsyncEnvCalls:
+    """The async driver: how an awaited turn makes its env calls.
+
+    A client with an async API (``areset``, ``astep``, ... as :class:`RemoteEnvClient` has)
+    is awaited: on the session loop that needs no thread per session. Otherwise the blocking
+    call runs on ``executor`` (None: the loop's default) or, for an in-process env class that
+    ``policy`` has seen to be fast, inline on the loop, as the lock-step collector does (see
+    :class:`~agile_llmenvs.transport.calls.CallPolicy`).
+
+    Args:
+        policy: Judges which in-process env classes run inline (default: a fresh ``auto``).
+        executor: Where blocking env calls run.
+    """
+
+    def __init__(self, policy: CallPolicy | None = None, executor: Executor | None = None) -> None:
+        self.policy = policy or CallPolicy("auto")
+        self.executor = executor
+
+    async def drive(self, turn: EnvTurn[T], client: Any) -> T:
+        """As :func:`drive`, each call awaited (see the class docstring)."""
+        try:
+            call = next(turn)
+            while True:
+                try:
+                    reply = await self.perform(call, client)
+                except Exception as exc:
+                    call = turn.throw(exc)
+                else:
+                    call = turn.send(reply)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+
+    async def perform(self, call: EnvCall, client: Any) -> Any:
+        """Make one env call without blocking the loop (except an inline, proven-fast one)."""
+        native = getattr(client, f"a{call.method}", None)
+        if native is not None:
+            return await native(*call.args, **call.kwargs)
+        env_class = in_process_env_class(client)
+        if env_class is not None and self.policy.inline(env_class):
+            return self._timed(env_class, call, client)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self._timed, env_class, call, client)
+
+    def _timed(self, env_class: type | None, call: EnvCall, client: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return call(client)
+        finally:
+            if env_class is not None:
+                self.policy.record(env_class, time.perf_counter() - start)
+
+
+def in_process_env_class(client: Any) -> type | None:
+    """The class whose call times the call policy judges: an in-process env's (None for any
+    other client: its waiting is what runs concurrently)."""
+    if not isinstance(client, InProcessEnvClient):
+        return None
+    env = client.env
+    return type(getattr(env, "inner", env))
 
 
 @dataclass
@@ -53,10 +167,9 @@ class ActionOutcome:
 
 
 class ActionPlayer:
-    """Sends a completion's action to an env client (see the module docstring).
+    """Plays a completion's action as env calls (see the module docstring).
 
     Args:
-        client: The env client.
         framer: The policy's chat framer (its template's tool role and reasoning block).
         observation_text: Turns an env reply into the text the policy reads.
         config: The harness's settings (``mcp_tool``, ``action_field``,
@@ -65,13 +178,9 @@ class ActionPlayer:
     """
 
     def __init__(
-        self,
-        client: Any,
-        framer: ChatFramer,
-        observation_text: Callable[[EnvReply], str],
-        config: Any,
+        self, framer: ChatFramer, observation_text: Callable[[EnvReply], str], config: Any
     ) -> None:
-        self.client, self.framer, self.config = client, framer, config
+        self.framer, self.config = framer, config
         self.observation_text = observation_text
         self.delimiters = config.reasoning_delimiters or framer.reasoning or _DEFAULT_REASONING
         strip = config.strip_reasoning
@@ -85,14 +194,14 @@ class ActionPlayer:
             text, self.delimiters, starts_in_reasoning=self.framer.starts_in_reasoning
         )
 
-    def play(self, text: str, completion_ids: Sequence[int]) -> ActionOutcome:
+    def play(self, text: str, completion_ids: Sequence[int]) -> EnvTurn[ActionOutcome]:
         """Play a completion: its ``text`` (decoded without special tokens) goes to the env;
         tool calls are read from its ids decoded with special tokens, where markers such as
-        ``[TOOL_CALLS]`` live."""
+        ``[TOOL_CALLS]`` live. A turn: its env calls are yielded (see the module docstring)."""
         config = self.config
         action = self.env_text(text)
         if not config.mcp_tool:
-            return self._send(lambda: self.client.step(action))
+            return (yield from self._send(EnvCall("step", (action,))))
         parsed = parse_tool_calls(
             self.framer.decode(completion_ids, skip_special_tokens=False),
             config.tool_call_parser,
@@ -108,14 +217,14 @@ class ActionPlayer:
             )
         if not parsed.calls:
             arguments = {config.action_field: action}
-            return self._send(lambda: self.client.call_tool(config.mcp_tool, arguments))
-        return self._run_calls(parsed.calls)
+            return (yield from self._send(EnvCall("call_tool", (config.mcp_tool, arguments))))
+        return (yield from self._run_calls(parsed.calls))
 
-    def _run_calls(self, calls: Sequence[ToolCall]) -> ActionOutcome:
+    def _run_calls(self, calls: Sequence[ToolCall]) -> EnvTurn[ActionOutcome]:
         outcome = ActionOutcome(0.0, {"tool_calls": []})
         texts: list[str] = []
         for index, call in enumerate(calls):
-            step = self._send(partial(self.client.call_tool, call.name, call.arguments))
+            step = yield from self._send(EnvCall("call_tool", (call.name, call.arguments)))
             outcome.reward += step.reward
             outcome.info.update({k: v for k, v in step.info.items() if k != "tool_calls"})
             outcome.info["tool_calls"].append({"name": call.name, "reward": step.reward})
@@ -135,10 +244,10 @@ class ActionPlayer:
             outcome.observations = [{"role": role, "content": text} for text in texts]
         return outcome
 
-    def _send(self, call: Callable[[], EnvReply]) -> ActionOutcome:
+    def _send(self, call: EnvCall) -> EnvTurn[ActionOutcome]:
         """One env call; an env failure never reaches the caller as an exception."""
         try:
-            reply = call()
+            reply: EnvReply = yield call
         except EnvError as exc:
             return ActionOutcome(0.0, {"error": f"{type(exc).__name__}: {exc}"})
         info = dict(reply.metadata)

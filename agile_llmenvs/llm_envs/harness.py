@@ -4,6 +4,10 @@ The harness owns tokenisation, the turn loop and the provenance mask. Training d
 only from ids: the first prompt's, the policy's sampled ids, and the frame and observation ids
 the harness inserts. Text is decoded only to send the action to the env, never to rebuild a
 past turn.
+
+Every method that talks to the env has a blocking and an async form (``reset`` / ``areset``,
+``step`` / ``astep``, ...) over one turn logic that yields its env calls as values (see
+:mod:`~agile_llmenvs.llm_envs.actions`); only the driver that performs them differs.
 """
 
 from __future__ import annotations
@@ -15,7 +19,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agile_llmenvs.errors import EnvProtocolError, EnvStateError
-from agile_llmenvs.llm_envs.actions import MALFORMED_FEEDBACK, ActionPlayer
+from agile_llmenvs.llm_envs.actions import (
+    MALFORMED_FEEDBACK,
+    ActionPlayer,
+    AsyncEnvCalls,
+    EnvCall,
+    EnvTurn,
+    drive,
+)
 from agile_llmenvs.llm_envs.episode import EpisodeData, StopReason, TokenSample, TurnResult
 from agile_llmenvs.llm_envs.framing import ChatFramer
 from agile_llmenvs.llm_envs.restart import TurnText, fit_restart
@@ -162,7 +173,9 @@ class RolloutHarness:
     ``reset`` returns the first prompt's ids; ``step`` takes the ids the policy sampled
     (and optionally their log-probs), sends the decoded action to the env and returns the ids
     to append before the next generation; :meth:`get_episode_data` returns the token-exact
-    training samples with the provenance mask.
+    training samples with the provenance mask. :meth:`areset` / :meth:`astep` are the same
+    turns with the env calls awaited (a remote env's on the session loop); ``async_calls``
+    says how they run a blocking client's calls (a collector sets its own pool there).
 
     Args:
         env_client: A URL (or a callable returning one) of an OpenEnv server, or any env
@@ -199,7 +212,8 @@ class RolloutHarness:
             use_template=self.config.apply_chat_template,
             chat_template_kwargs=self.config.chat_template_kwargs,
         )
-        self.player = ActionPlayer(self.client, self.framer, self._observation_text, self.config)
+        self.player = ActionPlayer(self.framer, self._observation_text, self.config)
+        self.async_calls = _ASYNC_CALLS
         self.eval = False
         self._episode: _Episode | None = None
         self._tools: list[dict[str, Any]] | None = None  # an MCP env's, listed at first reset
@@ -242,6 +256,30 @@ class RolloutHarness:
         episode is already over (``done``, ``StopReason.PROMPT_LIMIT``). An env whose reset
         observation is empty (an MCP env's) is introduced by the tools it lists.
         """
+        return drive(self._reset(seed, task), self.client)
+
+    async def areset(self, *, seed: int | None = None, **task: Any) -> list[int]:
+        """:meth:`reset` with the env calls awaited (on the session loop for a remote env)."""
+        return await self.async_calls.drive(self._reset(seed, task), self.client)
+
+    def step(
+        self, completion_ids: Sequence[int], sampling_logps: Sequence[float] | None = None
+    ) -> TurnResult:
+        """Play one turn with the ids the policy sampled.
+
+        Raises:
+            EnvStateError: the episode is over (or was never started).
+            ValueError: ``sampling_logps`` does not have one value per sampled id.
+        """
+        return drive(self._step(completion_ids, sampling_logps), self.client)
+
+    async def astep(
+        self, completion_ids: Sequence[int], sampling_logps: Sequence[float] | None = None
+    ) -> TurnResult:
+        """:meth:`step` with the env calls awaited (on the session loop for a remote env)."""
+        return await self.async_calls.drive(self._step(completion_ids, sampling_logps), self.client)
+
+    def _reset(self, seed: int | None, task: dict[str, Any]) -> EnvTurn[list[int]]:
         if task.get("row_index", 0) is None:
             del task["row_index"]
         rows = self.config.eval_tasks if self.eval and self.config.eval_tasks else self.config.tasks
@@ -250,9 +288,9 @@ class RolloutHarness:
             if not 0 <= index < len(rows):
                 raise IndexError(f"row_index {index} is outside the {len(rows)} tasks")
             task = {**rows[index], **task}
-        reply = self.client.reset(seed=seed, **task)
+        reply = yield EnvCall("reset", kwargs={"seed": seed, **task})
         episode = self._episode = _Episode(info=dict(reply.metadata))
-        episode.prompt_text = self._first_prompt(reply)
+        episode.prompt_text = yield from self._first_prompt(reply)
         head = "\n\n".join(filter(None, [self.config.instruction, episode.prompt_text]))
         episode.messages = [*self._system(), {"role": "user", "content": head}]
         ids = self.framer.prompt(episode.messages)
@@ -265,15 +303,9 @@ class RolloutHarness:
                 break
         return list(ids)
 
-    def step(
-        self, completion_ids: Sequence[int], sampling_logps: Sequence[float] | None = None
-    ) -> TurnResult:
-        """Play one turn with the ids the policy sampled.
-
-        Raises:
-            EnvStateError: the episode is over (or was never started).
-            ValueError: ``sampling_logps`` does not have one value per sampled id.
-        """
+    def _step(
+        self, completion_ids: Sequence[int], sampling_logps: Sequence[float] | None
+    ) -> EnvTurn[TurnResult]:
         episode = self._require_episode()
         if episode.stop_reason is not None:
             raise EnvStateError(f"the episode is over ({episode.stop_reason}); call reset()")
@@ -288,7 +320,7 @@ class RolloutHarness:
         values = sampling_logps if sampling_logps is not None else (math.nan,) * len(completion_ids)
         episode.logps.extend(map(float, values))
         text = self.framer.decode(completion_ids)
-        outcome = self.player.play(text, completion_ids)
+        outcome = yield from self.player.play(text, completion_ids)
         reward, info, reply = outcome.reward, outcome.info, outcome.reply
         episode.rewards.append(reward)
         episode.info.update(info)
@@ -323,11 +355,18 @@ class RolloutHarness:
 
     def dataset_size(self) -> int:
         """Rows of the env's dataset (0 for a procedural env), from the env's state."""
+        return drive(self._dataset_size(), self.client)
+
+    async def adataset_size(self) -> int:
+        """:meth:`dataset_size` with the env calls awaited."""
+        return await self.async_calls.drive(self._dataset_size(), self.client)
+
+    def _dataset_size(self) -> EnvTurn[int]:
         try:
-            state = self.client.state()
+            state = yield EnvCall("state")
         except EnvStateError:  # a remote session opens on the first reset
-            self.client.reset()
-            state = self.client.state()
+            yield EnvCall("reset")
+            state = yield EnvCall("state")
         return int(state.get("dataset_size") or 0)
 
     def eval_mode(self) -> None:
@@ -341,6 +380,10 @@ class RolloutHarness:
     def close(self) -> None:
         """Close the env client."""
         self.client.close()
+
+    async def aclose(self) -> None:
+        """:meth:`close` with the env call awaited."""
+        await self.async_calls.perform(EnvCall("close"), self.client)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -403,21 +446,22 @@ class RolloutHarness:
         episode.stop_reason = reason
         episode.close_sample()
 
-    def _first_prompt(self, reply: EnvReply) -> str:
+    def _first_prompt(self, reply: EnvReply) -> EnvTurn[str]:
         """The reset observation's text; for an empty one (an MCP env's reset says nothing),
         the tools the env lists, asked once per harness since they come with the env."""
         config = self.config
         if reply.observation or config.observation_processor or config.observation_field:
             return self._observation_text(reply)
         if self._tools is None:
-            self._tools = self._list_tools()
+            self._tools = yield from self._list_tools()
         return _tools_text(self._tools) if self._tools else self._observation_text(reply)
 
-    def _list_tools(self) -> list[dict[str, Any]]:
+    def _list_tools(self) -> EnvTurn[list[dict[str, Any]]]:
         if not isinstance(self.client, SupportsListTools):
             return []
         try:
-            return self.client.list_tools()
+            tools: list[dict[str, Any]] = yield EnvCall("list_tools")
+            return tools
         except EnvProtocolError:  # not an MCP env: it refused the listing, and has no tools
             return []
 
@@ -442,6 +486,10 @@ class RolloutHarness:
         if self._episode is None:
             raise EnvStateError("call reset() first")
         return self._episode
+
+
+_ASYNC_CALLS = AsyncEnvCalls()
+"""How :meth:`RolloutHarness.astep` runs a blocking client's calls unless told otherwise."""
 
 
 def _tools_text(tools: Sequence[Mapping[str, Any]]) -> str:

@@ -13,8 +13,13 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
+# after the offline settings: it imports the package (and transformers)
+from vllm_servers import vllm_model_dir, vllm_server, vllm_server_factory
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO_ROOT / "manifests"
+
+__all__ = ["vllm_model_dir", "vllm_server", "vllm_server_factory"]  # real `vllm serve` fixtures
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,7 @@ from agile_llmenvs.backends.types import (
     Tools,
 )
 from agile_llmenvs.backends.vllm import VLLMBackend, VLLMConfig
+from agile_llmenvs.backends.vllm_server import VLLMServerBackend
 
 __all__ = [
     "APIBackend",
@@ -47,5 +48,6 @@ __all__ = [
     "Tools",
     "VLLMBackend",
     "VLLMConfig",
+    "VLLMServerBackend",
     "parse_tool_calls",
 ]

@@ -1,0 +1,478 @@
+"""Generation from running ``vllm serve`` processes: token ids in, token ids out, over HTTP.
+
+Each request is one ``POST /v1/completions`` with the prompt as token ids; the sampled ids
+come back as ``"token_id:N"`` strings with their log-probs (``logprobs: 0`` and
+``return_tokens_as_token_ids``), so nothing is decoded and re-encoded. Requests are spread
+over several servers, and a server that fails is left out for a while, so only the requests
+it held fail.
+
+HTTP goes through ``aiohttp`` (the ``vllm_server`` extra, also in ``api``), on the one event
+loop thread remote env sessions use (:data:`~agile_llmenvs.transport.session_loop.SESSION_LOOP`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from agile_llmenvs.backends.local import LocalChatBackend
+from agile_llmenvs.backends.types import FinishReason, Generation, SamplingParams
+from agile_llmenvs.backends.vllm import _SEED_STRIDE
+from agile_llmenvs.errors import (
+    GenerationServerError,
+    GenerationTimeoutError,
+    OptionalDependencyError,
+)
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from agile_llmenvs.transport.session_loop import SessionLoop
+
+__all__ = ["Routing", "VLLMServerBackend"]
+
+Routing = Literal["least_loaded", "round_robin"]
+
+_T = TypeVar("_T")
+_TOKEN_ID = "token_id:"
+_DOWN_FOR_S = 5.0  # how long a failed server gets no requests before it is tried again
+
+
+@dataclass
+class _Server:
+    """One server's routing state (touched on the session loop only)."""
+
+    url: str
+    in_flight: int = 0
+    down_until: float = 0.0
+
+    def up(self, now: float) -> bool:
+        return now >= self.down_until
+
+
+class VLLMServerBackend(LocalChatBackend):
+    """Token-in / token-out generation from one or more running ``vllm serve`` processes.
+
+    Sampling follows :class:`~agile_llmenvs.backends.VLLMBackend` exactly: in a batched
+    :meth:`generate` with ``params.seed``, request ``i`` gets seed
+    ``seed * 65536 + i``, so a server started like the in-process engine (same model, dtype,
+    ``--logprobs-mode processed_logprobs``, as
+    :class:`~agile_llmenvs.backends.vllm_launch.VLLMServerProcess` starts one) returns the
+    same ids and log-probs. The ids include a final end-of-turn id when one was sampled.
+
+    Routing: ``least_loaded`` sends each request to the server with the fewest requests in
+    flight from this backend (ties in turn), ``round_robin`` to each in turn. A request whose
+    server refuses the connection, drops it, answers 5xx or exceeds ``timeout_s`` fails with
+    :class:`~agile_llmenvs.errors.GenerationServerError` (or ``GenerationTimeoutError``)
+    naming the server, and is not retried elsewhere (its episode fails, typed); that server
+    then gets no requests for 5 s (unless every server is down), after which it is tried
+    again.
+
+    Weight sync (:meth:`sync_weights`): the weights go to a safetensors file in
+    ``weights_dir``, and each server reloads it through ``POST /collective_rpc`` calling the
+    worker extension :class:`~agile_llmenvs.training.vllm_engine.WeightSyncWorker`'s
+    ``load_policy_weights_from`` (vLLM's in-place ``reload_weights``), then
+    ``POST /reset_prefix_cache``. vLLM's own ``/update_weights`` needs a weight-transfer
+    engine, and the ones vLLM 0.32 ships (NCCL, CUDA IPC, ...) need a GPU; the file works on
+    any device and with servers on other machines that share the filesystem.
+
+    Args:
+        urls: Base URL of each server (``http://host:port``).
+        tokenizer: The served model's tokenizer, or a local folder to load it from (offline).
+        model: The served model's name; ``None`` asks the first server (``GET /v1/models``).
+        routing: How requests are spread over the servers.
+        timeout_s: Most seconds per request (and per server call of a weight sync).
+        weights_dir: Where :meth:`sync_weights` writes the weights; every server must be able
+            to read it (same machine, or a shared filesystem). ``None``: a temporary folder.
+
+    Raises:
+        ValueError: ``urls`` is empty or holds a URL that is not ``http(s)://``, or
+            ``routing`` or ``timeout_s`` is invalid.
+        OptionalDependencyError: ``aiohttp`` is not installed.
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        tokenizer: Any | str | os.PathLike[str],
+        model: str | None = None,
+        routing: Routing = "least_loaded",
+        timeout_s: float = 300.0,
+        weights_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        try:
+            import aiohttp
+        except ImportError as exc:
+            raise OptionalDependencyError(
+                "aiohttp", extra="vllm_server", feature="VLLMServerBackend"
+            ) from exc
+        self._aiohttp = aiohttp
+        self._servers = [_Server(url) for url in _check_urls(urls)]
+        if routing not in ("least_loaded", "round_robin"):
+            raise ValueError(f"routing must be 'least_loaded' or 'round_robin', got {routing!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.routing: Routing = routing
+        self.timeout_s = float(timeout_s)
+        self._tokenizer = _load_tokenizer(tokenizer)
+        self._model = model
+        self._own_weights_dir = weights_dir is None
+        self._weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self._weights_file: Path | None = None
+        self._version = 0
+        self._next = 0  # where the round robin (and least_loaded's ties) resume
+        self._session: aiohttp.ClientSession | None = None
+        self._model_lock: asyncio.Lock | None = None
+
+    # --- the TokenBackend / AsyncTokenBackend faces ------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        """The served model's tokenizer."""
+        return self._tokenizer
+
+    @property
+    def version(self) -> int:
+        """The policy version the servers hold: 0 at start, set by :meth:`sync_weights`."""
+        return self._version
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The servers' base URLs, in the order given."""
+        return tuple(s.url for s in self._servers)
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests from this backend in flight now, per server URL."""
+        return {s.url: s.in_flight for s in self._servers}
+
+    async def agenerate(self, prompt: Sequence[int], params: SamplingParams) -> Generation:
+        """Sample one continuation of ``prompt`` on one server; await it on
+        ``SESSION_LOOP.loop``.
+
+        Raises:
+            GenerationServerError: The server failed this request (``url`` names it).
+            GenerationTimeoutError: It did not answer within ``timeout_s``.
+        """
+        return await self._request(list(prompt), params, params.seed)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Generation]:
+        """Sample one continuation per prompt, all requests in flight at once.
+
+        With ``params.seed``, request ``i`` samples with seed ``seed * 65536 + i``, as
+        :class:`~agile_llmenvs.backends.VLLMBackend` does.
+
+        Raises:
+            GenerationServerError: A request failed (the first failure, in prompt order);
+                :meth:`generate_results` returns failures as values instead.
+        """
+        results = self.generate_results(prompts, params)
+        for result in results:
+            if isinstance(result, GenerationServerError):
+                raise result
+        return [r for r in results if isinstance(r, Generation)]
+
+    def generate_results(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Generation | GenerationServerError]:
+        """As :meth:`generate`, with a failed request's error in its place instead of raised,
+        so a lock-step caller fails only the episodes whose server failed."""
+        if not prompts:
+            return []
+        return _session_loop().run(self._batch(prompts, params))
+
+    async def _batch(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Generation | GenerationServerError]:
+        seeds = [
+            None if params.seed is None else params.seed * _SEED_STRIDE + i
+            for i in range(len(prompts))
+        ]
+        requests = [self._request(list(p), params, s) for p, s in zip(prompts, seeds, strict=True)]
+        return await _gather_errors(requests)
+
+    # --- one request -------------------------------------------------------------------------
+
+    async def _request(
+        self, prompt: list[int], params: SamplingParams, seed: int | None
+    ) -> Generation:
+        session = self._client()
+        model = await self._served_model()
+        body = _completion_body(model, prompt, params, seed)
+        server = self._pick()
+        server.in_flight += 1
+        try:
+            reply = await self._post(session, server, "/v1/completions", body)
+        finally:
+            server.in_flight -= 1
+        return _generation(reply, server.url)
+
+    def _pick(self) -> _Server:
+        now = time.monotonic()
+        servers = self._servers
+        order = servers[self._next :] + servers[: self._next]
+        live = [s for s in order if s.up(now)] or order  # all down: try them anyway
+        chosen = live[0] if self.routing == "round_robin" else min(live, key=_load)
+        self._next = (servers.index(chosen) + 1) % len(servers)
+        return chosen
+
+    async def _post(
+        self, session: aiohttp.ClientSession, server: _Server, path: str, body: dict[str, Any]
+    ) -> Any:
+        """POST ``body`` to one server; its JSON reply, or a typed error (and the server
+        marked down, unless the request itself was at fault: a 4xx)."""
+        url = server.url + path
+        try:
+            async with session.post(url, json=body) as response:
+                if response.status >= 400:
+                    detail = (await response.text())[:500]
+                    if response.status >= 500:
+                        server.down_until = time.monotonic() + _DOWN_FOR_S
+                    raise GenerationServerError(
+                        f"{url} answered {response.status}: {detail}",
+                        url=server.url,
+                        status_code=response.status,
+                    )
+                if response.content_length == 0 or response.content_type != "application/json":
+                    return None
+                return await response.json()
+        except TimeoutError as exc:
+            server.down_until = time.monotonic() + _DOWN_FOR_S
+            raise GenerationTimeoutError(
+                f"{url} did not answer within timeout_s={self.timeout_s:g} s",
+                url=server.url,
+            ) from exc
+        except self._aiohttp.ClientError as exc:
+            server.down_until = time.monotonic() + _DOWN_FOR_S
+            raise GenerationServerError(
+                f"{url} failed: {type(exc).__name__}: {exc} (is the server running?)",
+                url=server.url,
+            ) from exc
+
+    def _client(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if loop is not _session_loop().loop:
+            raise RuntimeError(
+                "VLLMServerBackend.agenerate must be awaited on SESSION_LOOP.loop "
+                "(asyncio.run_coroutine_threadsafe(..., SESSION_LOOP.loop)); blocking callers "
+                "use generate()"
+            )
+        if self._session is None or self._session.closed:
+            aiohttp = self._aiohttp
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                connector=aiohttp.TCPConnector(limit=0),  # vllm batches whatever comes
+            )
+        return self._session
+
+    async def _served_model(self) -> str:
+        if self._model is not None:
+            return self._model
+        if self._model_lock is None:
+            self._model_lock = asyncio.Lock()
+        async with self._model_lock:
+            if self._model is None:
+                self._model = await self._ask_model()
+        return self._model
+
+    async def _ask_model(self) -> str:
+        session = self._client()
+        failures: list[GenerationServerError] = []
+        for server in self._servers:
+            try:
+                async with session.get(server.url + "/v1/models") as response:
+                    response.raise_for_status()
+                    listing = await response.json()
+                return str(listing["data"][0]["id"])
+            except (TimeoutError, self._aiohttp.ClientError, KeyError, IndexError) as exc:
+                failures.append(GenerationServerError(f"{exc!r}", url=server.url))
+        raise GenerationServerError(
+            "no server told its model name (GET /v1/models): "
+            + "; ".join(f"{e.url}: {e}" for e in failures)
+            + "; pass model= to skip the question",
+            url=self._servers[0].url,
+        )
+
+    # --- weight sync -------------------------------------------------------------------------
+
+    def sync_weights(self, policy: Any, *, version: int | None = None) -> float:
+        """Load ``policy``'s weights (LoRA adapters merged in) into every server.
+
+        Call it with no requests in flight: a request running through the reload samples
+        some tokens with the old weights.
+
+        Args:
+            policy: A Hugging Face causal LM of the served architecture, or a peft model.
+            version: The version the servers hold after; ``None``: one more than now.
+
+        Returns:
+            The seconds it took.
+
+        Raises:
+            GenerationServerError: A server could not load them (it names the first); the
+                version is left as it was.
+        """
+        start = time.perf_counter()
+        path = self._write_weights(policy)
+        results = _session_loop().run(
+            _gather_errors([self._reload_on(server, str(path)) for server in self._servers])
+        )
+        failed = [r for r in results if isinstance(r, GenerationServerError)]
+        if failed:
+            names = ", ".join(e.url for e in failed)
+            raise GenerationServerError(
+                f"weight sync failed on {names}: {failed[0]}", url=failed[0].url
+            ) from failed[0]
+        if self._weights_file is not None and self._weights_file != path:
+            self._weights_file.unlink(missing_ok=True)
+        self._weights_file = path
+        self._version = self._version + 1 if version is None else version
+        return time.perf_counter() - start
+
+    def _write_weights(self, policy: Any) -> Path:
+        from safetensors.torch import save_file
+
+        from agile_llmenvs.training.lora import merged_weights
+
+        if self._weights_dir is None:
+            self._weights_dir = Path(tempfile.mkdtemp(prefix="agile-llmenvs-weights-"))
+        self._weights_dir.mkdir(parents=True, exist_ok=True)
+        weights = {
+            name: tensor.detach().to("cpu").contiguous()
+            for name, tensor in merged_weights(policy).items()
+        }
+        path = (
+            self._weights_dir / f"policy-{os.getpid()}-{id(self):x}-{self._version + 1}.safetensors"
+        )
+        partial = path.with_suffix(".partial")
+        save_file(weights, str(partial))
+        partial.replace(path)  # a server never reads a half-written file
+        return path
+
+    async def _reload_on(self, server: _Server, path: str) -> None:
+        session = self._client()
+        await self._post(
+            session,
+            server,
+            "/collective_rpc",
+            {"method": "load_policy_weights_from", "args": [path]},
+        )
+        await self._post(session, server, "/reset_prefix_cache", {})
+
+    def close(self) -> None:
+        """Close the HTTP session, and remove the weights folder if this backend made it."""
+        if self._session is not None and not self._session.closed:
+            _session_loop().run(self._session.close())
+        self._session = None
+        if self._own_weights_dir and self._weights_dir is not None:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
+            self._weights_dir = None
+            self._weights_file = None
+
+
+def _session_loop() -> SessionLoop:
+    # imported here: the transport package is heavy, and most backend users never need it
+    from agile_llmenvs.transport.session_loop import SESSION_LOOP
+
+    return SESSION_LOOP
+
+
+def _load(server: _Server) -> int:
+    return server.in_flight
+
+
+def _check_urls(urls: str | Sequence[str]) -> list[str]:
+    listed = [urls] if isinstance(urls, str) else list(urls)
+    if not listed:
+        raise ValueError("urls must name at least one server, got an empty list")
+    for url in listed:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"urls: {url!r} is not an http(s) URL; give each server as http://host:port"
+            )
+    return [url.rstrip("/") for url in listed]
+
+
+def _load_tokenizer(tokenizer: Any) -> Any:
+    if not isinstance(tokenizer, str | os.PathLike):
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+
+
+def _completion_body(
+    model: str, prompt: list[int], params: SamplingParams, seed: int | None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k is not None else -1,
+        # explicit, so a model's generation_config.json cannot change what is sampled
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "logprobs": 0,  # the sampled token's own log-prob only
+        "return_tokens_as_token_ids": True,
+        # as the in-process engine's defaults: text without special tokens, cut before a stop
+        "skip_special_tokens": True,
+        "include_stop_str_in_output": False,
+    }
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if seed is not None:
+        body["seed"] = seed
+    return body
+
+
+def _generation(reply: Any, url: str) -> Generation:
+    """A :class:`Generation` from a ``/v1/completions`` reply."""
+    try:
+        choice = reply["choices"][0]
+        logprobs = choice["logprobs"]
+        ids = tuple(_token_id(token) for token in logprobs["tokens"])
+        values = tuple(float(v) for v in logprobs["token_logprobs"])
+        text = str(choice["text"])
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise GenerationServerError(
+            f"{url} sent a completion without token ids and log-probs ({exc!r}); is it a "
+            "vLLM server (return_tokens_as_token_ids)?",
+            url=url,
+        ) from exc
+    if len(values) != len(ids):
+        raise GenerationServerError(
+            f"{url} sent {len(ids)} token ids but {len(values)} log-probs", url=url
+        )
+    reason: FinishReason = "stop" if choice.get("finish_reason") == "stop" else "length"
+    return Generation(ids, values, text, reason)
+
+
+def _token_id(token: str) -> int:
+    if not token.startswith(_TOKEN_ID):
+        raise ValueError(f"token {token!r} is not 'token_id:N'")
+    return int(token[len(_TOKEN_ID) :])
+
+
+async def _gather_errors(
+    calls: Sequence[Awaitable[_T]],
+) -> list[_T | GenerationServerError]:
+    """Await all ``calls`` at once; a ``GenerationServerError`` is returned in its place,
+    anything else raised."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, GenerationServerError):
+            raise result
+    return list(results)  # type: ignore[arg-type]

@@ -9,13 +9,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agile_llmenvs.errors import SlotTimeoutError, StaleEpisodeError
+from agile_llmenvs.llm_envs.continuous import ContinuousRollouts
 from agile_llmenvs.llm_envs.episode import EpisodeData, TurnResult
 from agile_llmenvs.llm_envs.harness import RolloutHarness
 from agile_llmenvs.llm_envs.tasks import Task, TaskAssigner, check_rank
 from agile_llmenvs.llm_envs.trajectory import (
+    BatchBuilder,
     RolloutBatch,
     Trajectory,
     failed_episode,
@@ -23,6 +25,10 @@ from agile_llmenvs.llm_envs.trajectory import (
 )
 from agile_llmenvs.transport.calls import CallPolicy
 from agile_llmenvs.transport.client import InProcessEnvClient
+from agile_llmenvs.transport.session_loop import SESSION_LOOP
+
+if TYPE_CHECKING:  # llm_envs does not import the backends layer
+    from agile_llmenvs.backends.types import AsyncTokenBackend, SamplingParams
 
 __all__ = ["EpisodeHandle", "Generate", "RolloutCollector"]
 
@@ -114,6 +120,7 @@ class RolloutCollector:
         self._next_episode = 0
         self._open_group: tuple[int, Task, int] | None = None  # (group, task, members left)
         self._group_counter = 0
+        self._continuous = ContinuousRollouts(self)
 
     # -- AgileRL's names -----------------------------------------------------------------------
 
@@ -143,15 +150,18 @@ class RolloutCollector:
     def assigner(self) -> TaskAssigner:
         """The task assigner (built on first use, from the env's ``dataset_size``)."""
         if self._assigner is None:
-            rows = self._harness(0).dataset_size()
-            self._assigner = TaskAssigner(
-                rows,
-                seed=self.base_seed,
-                rank=self.rank,
-                world_size=self.world_size,
-                adaptive=self.adaptive,
-            )
+            self._set_assigner(self._harness(0).dataset_size())
+        assert self._assigner is not None
         return self._assigner
+
+    def _set_assigner(self, rows: int) -> None:
+        self._assigner = TaskAssigner(
+            rows,
+            seed=self.base_seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            adaptive=self.adaptive,
+        )
 
     @property
     def num_epochs(self) -> int:
@@ -222,20 +232,16 @@ class RolloutCollector:
         batch is refilled from new tasks, for at most ``max_attempts`` rounds; the batch is
         then topped up with uninformative groups so every rank returns the same count.
         """
-        kept: list[tuple[Trajectory, ...]] = []
-        spare: list[tuple[Trajectory, ...]] = []
-        attempts = 0
-        while len(kept) < self.groups and attempts < (max_attempts if dynamic_sampling else 1):
-            attempts += 1
-            for group in self._play(generate):
-                informative = self._record(group)
-                (kept if informative or not dynamic_sampling else spare).append(group)
-        informative_count = sum(1 for g in kept if len(set(finished_rewards(g))) > 1)
-        groups = (kept + spare)[: self.groups]
-        flat = tuple(_regroup(groups, self.group_size))
-        return RolloutBatch(
-            flat, self.group_size, informative_count, attempts, sum(t.failed for t in flat)
+        builder = BatchBuilder(
+            self.groups,
+            self.group_size,
+            self._record,
+            dynamic_sampling=dynamic_sampling,
+            max_attempts=max_attempts,
         )
+        while builder.wants_round():
+            builder.add_round(self._play(generate))
+        return builder.batch()
 
     def _play(self, generate: Generate) -> list[tuple[Trajectory, ...]]:
         self.reset()
@@ -261,6 +267,44 @@ class RolloutCollector:
         if task.row_index is None:
             return len(set(rewards)) > 1
         return self.assigner.record_outcome(task.row_index, rewards)
+
+    # -- continuous path ---------------------------------------------------------------------
+
+    def collect_continuous(
+        self,
+        backend: AsyncTokenBackend,
+        params: SamplingParams,
+        *,
+        dynamic_sampling: bool = False,
+        max_attempts: int = 4,
+    ) -> RolloutBatch:
+        """Play a whole batch as :meth:`collect` does (the same tasks in the same order,
+        contiguous groups, dynamic sampling, failures as values), with every episode asking
+        ``backend`` for its next turn as soon as its env replies, instead of every slot
+        waiting for the slowest at each turn. All groups of a round play at once, on the
+        session loop (this call blocks until the batch is done).
+
+        Request ``r`` (the turn) of episode ``e`` (numbered across batches) is sampled with
+        seed ``request_seed(params.seed, e, r)``; each trajectory records the backend's
+        ``version`` read before its first request (``policy_version``). An env call that
+        raises or outlives ``io_timeout_s``, and a request that raises
+        :class:`~agile_llmenvs.errors.GenerationServerError`, fail only their episode.
+        """
+        return SESSION_LOOP.run(
+            self._continuous.collect(
+                backend, params, dynamic_sampling=dynamic_sampling, max_attempts=max_attempts
+            )
+        )
+
+    async def aplay_group(
+        self, backend: AsyncTokenBackend, params: SamplingParams
+    ) -> tuple[Trajectory, ...]:
+        """Play the next task's group as :meth:`collect_continuous` plays each of its groups;
+        the trajectories in member order. Awaits ``group_size`` free slots first (groups are
+        served in the order they asked). Must run on the session loop
+        (:data:`~agile_llmenvs.transport.session_loop.SESSION_LOOP`).
+        """
+        return await self._continuous.next_group(backend, params)
 
     # -- per-episode path --------------------------------------------------------------------
 
@@ -448,14 +492,6 @@ class _RemoteCalls:
 def _close_quietly(harness: RolloutHarness) -> None:
     with contextlib.suppress(Exception):
         harness.close()
-
-
-def _regroup(groups: list[tuple[Trajectory, ...]], group_size: int) -> list[Trajectory]:
-    """Renumber kept groups 0..n-1 in order (dynamic sampling mixes rounds)."""
-    out = []
-    for number, group in enumerate(groups):
-        out += [Trajectory(number, t.slot, t.task, t.episode) for t in group]
-    return out
 
 
 def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -1,0 +1,255 @@
+"""Continuous rollouts: each episode asks for its next turn as soon as its env replies.
+
+The lock-step path (:meth:`RolloutCollector.collect`) waits at every turn for the slowest live
+slot. Here every episode is its own task on the session loop
+(:data:`~agile_llmenvs.transport.session_loop.SESSION_LOOP`): ``areset``, then
+``agenerate`` -> ``astep`` until it is done, against an
+:class:`~agile_llmenvs.backends.types.AsyncTokenBackend` that takes one prompt per request
+(a ``vllm serve`` batches the requests in flight itself). A remote env's calls are awaited on
+that same loop, so a thousand slots need no thread each; an in-process env's blocking calls
+run on the collector's pool, or inline once its class has shown them fast
+(:class:`~agile_llmenvs.llm_envs.actions.AsyncEnvCalls`).
+
+Failures stay with their episode, as on the lock-step path: an env call that raises, or
+outlives ``io_timeout_s`` (its slot then gets a fresh env), and a generation request that
+fails (:class:`~agile_llmenvs.errors.GenerationServerError`) each give that episode a failed
+value; the rest of its group and batch play on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections import deque
+from collections.abc import Awaitable
+from dataclasses import replace
+from typing import TYPE_CHECKING, TypeVar
+
+from agile_llmenvs.errors import GenerationServerError
+from agile_llmenvs.llm_envs.actions import AsyncEnvCalls
+from agile_llmenvs.llm_envs.episode import EpisodeData
+from agile_llmenvs.llm_envs.harness import RolloutHarness
+from agile_llmenvs.llm_envs.tasks import Task
+from agile_llmenvs.llm_envs.trajectory import BatchBuilder, RolloutBatch, Trajectory, failed_episode
+
+if TYPE_CHECKING:  # llm_envs does not import the backends layer
+    from agile_llmenvs.backends.types import AsyncTokenBackend, SamplingParams
+    from agile_llmenvs.llm_envs.collector import RolloutCollector
+
+__all__ = ["ContinuousRollouts", "request_seed"]
+
+T = TypeVar("T")
+
+
+def request_seed(seed: int | None, episode: int, turn: int) -> int | None:
+    """The sampler seed of one generation request: a 31-bit hash of the batch's ``seed``, the
+    episode's number and the turn (None when ``seed`` is None: unseeded sampling)."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{seed}/{episode}/{turn}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class _EpisodeFailed(Exception):
+    """Ends one episode as a failed value (never leaves this module)."""
+
+
+class ContinuousRollouts:
+    """The collector's continuous path (see the module docstring); every method runs on the
+    session loop.
+
+    Slots are taken a group at a time, first come first served: a group waits (awaiting, not
+    polling) until ``group_size`` slots are free, and holds them until its last member ends.
+
+    Args:
+        collector: The collector whose slots, task assigner and call policy are used.
+    """
+
+    def __init__(self, collector: RolloutCollector) -> None:
+        self.collector = collector
+        self.env_calls = AsyncEnvCalls(collector._calls, collector._pool)
+        self._waiting: deque[tuple[int, asyncio.Future[list[int]]]] = deque()
+        self._groups_started = 0
+        self._assigner_lock = asyncio.Lock()
+
+    async def collect(
+        self,
+        backend: AsyncTokenBackend,
+        params: SamplingParams,
+        *,
+        dynamic_sampling: bool,
+        max_attempts: int,
+    ) -> RolloutBatch:
+        """A whole batch, every group of a round played at once (see
+        :meth:`RolloutCollector.collect_continuous`)."""
+        collector = self.collector
+        await self._ensure_assigner()
+        builder = BatchBuilder(
+            collector.groups,
+            collector.group_size,
+            collector._record,
+            dynamic_sampling=dynamic_sampling,
+            max_attempts=max_attempts,
+        )
+        while builder.wants_round():
+            tasks = [collector.assigner.next_task() for _ in range(collector.groups)]
+            played = [self.play_group(backend, params, task, g) for g, task in enumerate(tasks)]
+            builder.add_round(await _all(played))
+        return builder.batch()
+
+    async def next_group(
+        self, backend: AsyncTokenBackend, params: SamplingParams
+    ) -> tuple[Trajectory, ...]:
+        """The next task's group (see :meth:`RolloutCollector.aplay_group`)."""
+        await self._ensure_assigner()
+        group = self._groups_started
+        self._groups_started += 1
+        return await self.play_group(backend, params, self.collector.assigner.next_task(), group)
+
+    async def play_group(
+        self, backend: AsyncTokenBackend, params: SamplingParams, task: Task, group: int
+    ) -> tuple[Trajectory, ...]:
+        """Play ``task``'s group on ``group_size`` free slots; trajectories in member order.
+
+        Episode numbers (which seed the requests) are taken before the slots are awaited, so
+        they follow the order groups were started in.
+        """
+        collector = self.collector
+        with collector._lock:
+            first = collector._next_episode
+            collector._next_episode += collector.group_size
+        slots = await self._acquire(collector.group_size)
+        try:
+            played = await _all(
+                [self._episode(backend, params, s, task, first + m) for m, s in enumerate(slots)]
+            )
+        finally:
+            self._release(slots)
+        return tuple(
+            Trajectory(group, slot, task, episode, version)
+            for slot, (episode, version) in zip(slots, played, strict=True)
+        )
+
+    # -- one episode -------------------------------------------------------------------------
+
+    async def _episode(
+        self,
+        backend: AsyncTokenBackend,
+        params: SamplingParams,
+        slot: int,
+        task: Task,
+        episode: int,
+    ) -> tuple[EpisodeData, int | None]:
+        """Play one episode to its end: ``(its data, the policy version of its first request)``."""
+        version: int | None = None
+        try:
+            harness = self._slot_harness(slot)
+            await self._env_call(slot, harness.areset(**task.reset_kwargs()))
+            turn = 0
+            while not harness.done:
+                if version is None:  # versions only rise: the oldest policy of the episode
+                    version = backend.version
+                request = replace(params, seed=request_seed(params.seed, episode, turn))
+                try:
+                    generation = await backend.agenerate(harness.context_ids, request)
+                except GenerationServerError as exc:
+                    raise _EpisodeFailed(f"{type(exc).__name__}: {exc}") from exc
+                await self._env_call(slot, harness.astep(generation.token_ids, generation.logprobs))
+                turn += 1
+            return harness.get_episode_data(), version
+        except _EpisodeFailed as failure:
+            return failed_episode(str(failure)), version
+
+    async def _env_call(self, slot: int, call: Awaitable[T]) -> T:
+        """Await an env call of ``slot``; one that raises or outlives ``io_timeout_s`` fails
+        the episode (a timed-out slot gets a fresh env, as on the lock-step path)."""
+        timeout_s = self.collector.io_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s) as deadline:
+                return await call
+        except Exception as exc:
+            if isinstance(exc, TimeoutError) and deadline.expired():
+                reason = f"the env call exceeded io_timeout_s={timeout_s}"
+                self.collector._replace(slot, reason)
+                raise _EpisodeFailed(reason) from None
+            raise _EpisodeFailed(f"{type(exc).__name__}: {exc}") from exc
+
+    def _slot_harness(self, slot: int) -> RolloutHarness:
+        """The slot's harness (built here, on the loop, at its first use: a pool thread per
+        build would leave a thread per slot behind); its blocking env calls then run through
+        this path's pool and call policy."""
+        try:
+            harness = self.collector._harness(slot)
+        except Exception as exc:
+            raise _EpisodeFailed(f"{type(exc).__name__}: {exc}") from exc
+        harness.async_calls = self.env_calls
+        return harness
+
+    async def _ensure_assigner(self) -> None:
+        """Build the task assigner with an awaited ``dataset_size`` (a blocking one would put
+        slot 0's remote session on a blocking connection, or stall the loop)."""
+        collector = self.collector
+        async with self._assigner_lock:
+            if collector._assigner is None:
+                harness = collector._harness(0)  # a factory that fails here fails the batch
+                harness.async_calls = self.env_calls
+                collector._set_assigner(await harness.adataset_size())
+
+    # -- slots -------------------------------------------------------------------------------
+
+    async def _acquire(self, count: int) -> list[int]:
+        """Hold ``count`` free slots, waiting behind the groups that asked first."""
+        if not self._waiting and (slots := self._take(count)) is not None:
+            return slots
+        waiter: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        self._waiting.append((count, waiter))
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._release(waiter.result())
+            with contextlib.suppress(ValueError):
+                self._waiting.remove((count, waiter))
+            raise
+
+    def _take(self, count: int) -> list[int] | None:
+        collector = self.collector
+        with collector._lock:
+            free = [i for i, s in enumerate(collector._slots) if s.episode_id is None]
+            if len(free) < count:
+                return None
+            for index in free[:count]:  # held as the per-episode path holds a slot
+                collector._slots[index].episode_id = -1
+            return free[:count]
+
+    def _release(self, slots: list[int]) -> None:
+        collector = self.collector
+        with collector._lock:
+            for index in slots:
+                collector._release(index)
+        while self._waiting:
+            count, waiter = self._waiting[0]
+            if waiter.done():
+                self._waiting.popleft()
+                continue
+            taken = self._take(count)
+            if taken is None:
+                return
+            self._waiting.popleft()
+            waiter.set_result(taken)
+
+
+async def _all(calls: list[Awaitable[T]]) -> list[T]:
+    """Await ``calls`` concurrently; the first to raise cancels the rest and is raised as
+    itself (a bug, since failures are values here), not inside an exception group."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_awaited(call)) for call in calls]
+    except BaseExceptionGroup as raised:
+        raise raised.exceptions[0]  # noqa: B904 - the group is its __context__
+    return [task.result() for task in tasks]
+
+
+async def _awaited(call: Awaitable[T]) -> T:
+    return await call

@@ -1,19 +1,24 @@
-"""RolloutCollector's continuous path: every episode asks for its next turn on its own."""
+"""RolloutCollector's continuous path: every episode asks for its next turn on its own, and
+served envs' sessions are all awaited on the one session loop."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from echo_envs import RowEnv
+import pytest
+from echo_envs import EchoEnv, RowEnv
+from serving import ServedProcess
 
 from agile_llmenvs.backends.types import Generation, SamplingParams
+from agile_llmenvs.envs import make_rollout_env_factory
 from agile_llmenvs.errors import GenerationServerError
-from agile_llmenvs.llm_envs import RolloutCollector, RolloutHarness, StopReason
+from agile_llmenvs.llm_envs import OpenEnvServer, RolloutCollector, RolloutHarness, StopReason
 from agile_llmenvs.llm_envs.continuous import request_seed
+from agile_llmenvs.specs import LLMEnvSpec
 from agile_llmenvs.transport.session_loop import SESSION_LOOP
 
 EOS = 2
@@ -254,3 +259,123 @@ def test_nothing_is_left_held_after_a_batch(tokenizer: Any) -> None:
     collect.collect_continuous(ScriptedBackend(tokenizer, by_turn), PARAMS)
     assert all(slot.episode_id is None for slot in collect._slots)
     assert collect.reset_episode().slot == 0  # the per-episode path finds them free
+
+
+# -- served envs ----------------------------------------------------------------------------
+
+GROUPS, GROUP_SIZE = 8, 8  # 64 slots
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[ServedProcess]:
+    """EchoEnv served from another process, so this process's threads are the client's."""
+    server = ServedProcess("echo_envs:EchoEnv", "--port", "0", "--max-concurrent-envs", "256")
+    yield server
+    server.kill()
+
+
+def echo(text: str, seed: int | None) -> str:
+    return "x"
+
+
+def remote_collector(tokenizer: Any, url: str) -> RolloutCollector:
+    spec = LLMEnvSpec(env_type="rollout", env_url=url, max_turns=2)
+    factory, _ = make_rollout_env_factory(spec, tokenizer)
+    return RolloutCollector(factory, batch_size=GROUPS, group_size=GROUP_SIZE, base_seed=0)
+
+
+def test_64_remote_slots_need_no_thread_each(tokenizer: Any, served: ServedProcess) -> None:
+    SESSION_LOOP.loop  # noqa: B018 - started before counting
+    before = threading.active_count()
+    continuous = remote_collector(tokenizer, served.url)
+    backend = ScriptedBackend(tokenizer, echo)
+    batch = continuous.collect_continuous(backend, PARAMS)
+    assert batch.failed == 0
+    assert len(batch.trajectories) == 64
+    assert all(t.episode.stop_reason is StopReason.MAX_TURNS for t in batch.trajectories)
+    assert len(backend.threads) == 128
+    assert max(backend.threads) <= before + 1  # no thread per slot (or per call)
+    continuous.close()
+
+    lock_step = remote_collector(tokenizer, served.url)
+    counts: list[int] = []
+
+    def generate(contexts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+        counts.append(threading.active_count())
+        ids = completion(tokenizer, "x")
+        return [(ids, [-0.5] * len(ids)) for _ in contexts]
+
+    plain = lock_step.collect(generate)
+    assert [t.episode for t in plain.trajectories] == [t.episode for t in batch.trajectories]
+    assert max(counts) >= before + 64  # blocking sessions: threads grow with the slots
+    lock_step.close()
+
+
+def test_the_async_harness_plays_a_served_env_as_the_sync_one_does(tokenizer: Any) -> None:
+    actions = ["hello", "<think>x</think> y", "stop"]
+
+    def play_sync(harness: RolloutHarness) -> Any:
+        harness.reset(seed=3)
+        for action in actions:
+            harness.step(completion(tokenizer, action))
+        return harness.get_episode_data()
+
+    async def play_async(harness: RolloutHarness) -> Any:
+        await harness.areset(seed=3)
+        for action in actions:
+            await harness.astep(completion(tokenizer, action))
+        size = await harness.adataset_size()
+        data = harness.get_episode_data()
+        await harness.aclose()
+        return data, size
+
+    with OpenEnvServer(make_env=EchoEnv, max_concurrent_envs=2) as server:
+        sync = play_sync(RolloutHarness(server.url, tokenizer, 4, system_prompt="S"))
+        harness = RolloutHarness(server.url, tokenizer, 4, system_prompt="S")
+        remote, size = SESSION_LOOP.run(play_async(harness))
+        assert harness.client._sync_ws is None  # it never opened a blocking connection
+    local, _ = SESSION_LOOP.run(
+        play_async(RolloutHarness.local(EchoEnv(), tokenizer, 4, system_prompt="S"))
+    )
+    assert sync == remote == local
+    assert sync.stop_reason is StopReason.TERMINATED
+    assert size == 3
+
+
+def test_the_async_harness_runs_tool_calls_as_the_sync_one_does(tokenizer: Any) -> None:
+    from echo_envs import ToolEnv
+
+    calls = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    turns = [
+        completion(tokenizer, calls + calls.replace("add", "mul")),  # two calls, in order
+        completion(tokenizer, '<tool_call>{"name": "add"'),  # malformed: reaches no tool
+        completion(tokenizer, calls.replace("3", "4")),
+    ]
+
+    def harness() -> RolloutHarness:
+        return RolloutHarness.local(
+            ToolEnv(),
+            tokenizer,
+            3,
+            mcp_tool="add",
+            observation_processor=lambda o: o.get("prompt") or str(o.get("result", {}).get("data")),
+        )
+
+    sync = harness()
+    sync.reset()
+    sync_results = [sync.step(ids) for ids in turns]
+
+    async def play() -> list[Any]:
+        async_harness = harness()
+        await async_harness.areset()
+        results = [await async_harness.astep(ids) for ids in turns]
+        return [results, async_harness.get_episode_data(), async_harness.client.env.calls]
+
+    async_results, episode, tool_calls = SESSION_LOOP.run(play())
+    assert async_results == sync_results
+    assert episode == sync.get_episode_data()
+    assert tool_calls == sync.client.env.calls == [("add", 2, 3), ("mul", 2, 3), ("add", 2, 4)]
+    assert async_results[0].info["tool_calls"] == [
+        {"name": "add", "reward": 0.0},
+        {"name": "mul", "reward": 0.0},
+    ]

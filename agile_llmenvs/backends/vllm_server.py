@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from agile_llmenvs.backends.local import LocalChatBackend
-from agile_llmenvs.backends.types import FinishReason, Generation, SamplingParams
+from agile_llmenvs.backends.local import LocalChatBackend, parse_tool_calls
+from agile_llmenvs.backends.types import Completion, FinishReason, Generation, SamplingParams
 from agile_llmenvs.backends.vllm import _SEED_STRIDE
 from agile_llmenvs.errors import (
     GenerationServerError,
@@ -190,6 +190,19 @@ class VLLMServerBackend(LocalChatBackend):
             return []
         return _session_loop().run(self._batch(prompts, params))
 
+    def _chat(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Chat completions; a request its server failed is a failed completion (its
+        trajectory ends with a backend error), not an exception that sinks the batch."""
+        completions = []
+        for result in self.generate_results(prompts, params):
+            if isinstance(result, GenerationServerError):
+                completions.append(Completion.failed(f"{type(result).__name__}: {result}"))
+                continue
+            calls = parse_tool_calls(result.text)
+            reason: FinishReason = "tool_calls" if calls else result.finish_reason
+            completions.append(Completion(result.text, reason, tool_calls=calls, generation=result))
+        return completions
+
     async def _batch(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[Generation | GenerationServerError]:
@@ -294,7 +307,9 @@ class VLLMServerBackend(LocalChatBackend):
                     listing = await response.json()
                 return str(listing["data"][0]["id"])
             except (TimeoutError, self._aiohttp.ClientError, KeyError, IndexError) as exc:
-                failures.append(GenerationServerError(f"{exc!r}", url=server.url))
+                failures.append(
+                    GenerationServerError(f"{type(exc).__name__}: {exc}", url=server.url)
+                )
         raise GenerationServerError(
             "no server told its model name (GET /v1/models): "
             + "; ".join(f"{e.url}: {e}" for e in failures)

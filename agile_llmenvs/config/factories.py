@@ -72,6 +72,8 @@ class BackendFactory:
         """
         if config.backend in ("huggingface", "vllm"):
             return _local_backend(config)
+        if config.backend == "vllm_server":
+            return _server_backend(config)
         from agile_llmenvs.backends.anthropic_api import AnthropicBackend
         from agile_llmenvs.backends.openai_api import OpenAIBackend, OpenRouterBackend
 
@@ -175,6 +177,25 @@ def _local_backend(config: ModelConfig) -> Backend:
         gpu_memory_utilization=config.gpu_memory_utilization,
     )
     return VLLMBackend(model_path, config=vllm_config)
+
+
+def _server_backend(config: ModelConfig) -> Backend:
+    """A :class:`~agile_llmenvs.backends.VLLMServerBackend` over ``config.urls``, with the
+    tokenizer of the local model folder ``config.model``."""
+    from agile_llmenvs.backends.hf import check_model_dir
+    from agile_llmenvs.backends.vllm_server import VLLMServerBackend
+
+    model_path = config.model
+    if model_path == TINY_MODEL:
+        from agile_llmenvs.tiny_model import ensure_tiny_model
+
+        model_path = str(ensure_tiny_model())
+    model_path = model_directory(model_path)
+    check_model_dir(model_path, field="model.model")
+    assert config.urls  # the model validator guarantees it
+    return VLLMServerBackend(
+        config.urls, tokenizer=model_path, routing=config.routing, timeout_s=config.timeout_s
+    )
 
 
 def create_sampling_params(config: InferenceConfig) -> SamplingParams:

@@ -103,7 +103,7 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_default=True, protected_namespaces=())
 
-    backend: Literal["huggingface", "vllm", "openai", "anthropic", "openrouter"]
+    backend: Literal["huggingface", "vllm", "vllm_server", "openai", "anthropic", "openrouter"]
     model: str = Field(
         min_length=1,
         description=f"Name or local path; {TINY_MODEL!r} is built in. A local backend also "
@@ -115,11 +115,38 @@ class ModelConfig(BaseModel):
     api_key_env: str | None = None
     max_concurrency: int = Field(64, ge=1, description="API requests in flight at once.")
     max_retries: int = Field(6, ge=0, description="Retries of a 429/5xx API response.")
-    timeout_s: float = Field(600.0, gt=0)
+    timeout_s: float = Field(600.0, gt=0, description="Most seconds per API or server request.")
+    urls: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="vllm_server: the base URL of each running `vllm serve` "
+        "(http://host:port) serving `model`; `model` is then the local folder whose tokenizer "
+        "the servers use.",
+    )
+    routing: Literal["least_loaded", "round_robin"] = Field(
+        "least_loaded", description="vllm_server: how requests are spread over the urls."
+    )
     device: str = Field("cpu", description="Torch device of a huggingface backend.")
     dtype: str = "auto"
     max_model_len: int | None = Field(None, ge=1, description="vLLM context length.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _urls_match_backend(self) -> ModelConfig:
+        if self.backend == "vllm_server":
+            if not self.urls:
+                raise ValueError(
+                    "backend 'vllm_server' needs urls: [http://host:port, ...], one per "
+                    "running `vllm serve`"
+                )
+            bad = [u for u in self.urls if not u.startswith(("http://", "https://"))]
+            if bad:
+                raise ValueError(f"urls: {bad[0]!r} is not an http(s) URL; write http://host:port")
+        elif self.urls is not None:
+            raise ValueError(
+                f"urls is only read with backend: vllm_server (this is {self.backend!r})"
+            )
+        return self
 
     def api_key(self) -> str | None:
         """The key held by ``api_key_env``, when one is named and set."""
@@ -208,6 +235,6 @@ class EvalConfig(BaseModel):
             for e in self.environments
         ]
         model = self.model
-        if model.backend in ("huggingface", "vllm"):
+        if model.backend in ("huggingface", "vllm", "vllm_server"):
             model = model.model_copy(update={"model": near(model.model)})
         return self.model_copy(update={"environments": environments, "model": model})

@@ -23,6 +23,7 @@ __all__ = [
     "RunManifest",
     "TrainingSpec",
     "VLLMGenerationSpec",
+    "VLLMServerSpec",
     "absolute_paths",
     "dump_manifest",
     "load_manifest",
@@ -118,6 +119,45 @@ class VLLMGenerationSpec(BaseModel):
     )
 
 
+class VLLMServerSpec(BaseModel):
+    """The running ``vllm serve`` processes a GRPO run samples from
+    (``generation_backend: vllm_server``)."""
+
+    model_config = SPEC_CONFIG
+
+    urls: list[str] = Field(
+        min_length=1,
+        description="Base URLs of the servers (`http://host:port`), each serving the "
+        "manifest's model; requests go to the least loaded (or in turn, `routing`).",
+    )
+    routing: Literal["least_loaded", "round_robin"] = Field(
+        "least_loaded", description="How each request picks its server."
+    )
+    timeout_s: float = Field(
+        300.0,
+        gt=0.0,
+        description="Longest one generation request may take; past it the "
+        "episode waiting on it fails.",
+    )
+    sync_every: int = Field(
+        1, ge=1, description="Training steps between weight syncs to the servers."
+    )
+    weights_dir: str | None = Field(
+        None,
+        min_length=1,
+        description="Folder the trainer writes synced weights to; the servers must read "
+        "it (the same machine, or a shared filesystem). Relative: to the manifest's folder. "
+        "Unset: `output_dir/weights-sync`.",
+    )
+
+    @model_validator(mode="after")
+    def _check_urls(self) -> VLLMServerSpec:
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise fail("urls", f"{url!r} is not an http(s) URL: write `http://host:port`")
+        return self
+
+
 class TrainingSpec(BaseModel):
     """Settings shared by the training loops; each algorithm adds its own in its module."""
 
@@ -209,13 +249,26 @@ class TrainingSpec(BaseModel):
     lora: LoRASpec | None = Field(
         None, description="Train LoRA adapters instead of every weight (needs `peft`)."
     )
-    generation_backend: Literal["hf", "vllm"] = Field(
+    generation_backend: Literal["hf", "vllm", "vllm_server"] = Field(
         "hf",
         description="GRPO: what samples the rollouts: `hf` (transformers generate on the "
-        "policy itself) or `vllm` (an engine whose weights follow the policy's each step).",
+        "policy itself), `vllm` (an engine in this process whose weights follow the "
+        "policy's each step) or `vllm_server` (running `vllm serve` processes, `vllm_server`, "
+        "weights synced to them; each episode asks for its next turn as soon as its env "
+        "replies).",
     )
     vllm: VLLMGenerationSpec | None = Field(
         None, description="Engine settings for `generation_backend: vllm` (unset: defaults)."
+    )
+    vllm_server: VLLMServerSpec | None = Field(
+        None, description="The servers of `generation_backend: vllm_server`."
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="GRPO with `vllm_server`: policy versions a trained sample may lag the "
+        "trainer by, so rollouts for later steps are generated while it learns (0: "
+        "on-policy, no overlap). Older samples are dropped and counted (`stale_groups`).",
     )
     micro_batch_size: int | None = Field(
         None,
@@ -276,6 +329,35 @@ class TrainingSpec(BaseModel):
             )
         if self.vllm is not None and self.generation_backend != "vllm":
             raise fail("vllm", "engine settings need `generation_backend: vllm`")
+        if self.generation_backend == "vllm_server":
+            if self.algorithm != "grpo":
+                raise fail(
+                    "generation_backend",
+                    f"'vllm_server' generates GRPO rollouts; {self.algorithm!r} does not generate",
+                )
+            if self.vllm_server is None:
+                raise fail(
+                    "vllm_server",
+                    "`generation_backend: vllm_server` needs the servers: "
+                    "`vllm_server: {urls: [http://127.0.0.1:8000]}`",
+                )
+            if self.fsdp:
+                raise fail("fsdp", "`vllm_server` runs with one training process for now")
+            lag = self.vllm_server.sync_every - 1
+            if self.max_staleness < lag:
+                raise fail(
+                    "max_staleness",
+                    f"vllm_server.sync_every: {lag + 1} serves weights up to {lag} steps old; "
+                    f"set max_staleness >= {lag} (or sync_every: {self.max_staleness + 1})",
+                )
+        elif self.vllm_server is not None:
+            raise fail("vllm_server", "server settings need `generation_backend: vllm_server`")
+        if self.max_staleness and self.generation_backend != "vllm_server":
+            raise fail(
+                "max_staleness",
+                "rollouts overlap learning only with `generation_backend: vllm_server`; "
+                "set max_staleness: 0 or use the servers",
+            )
         if self.fsdp and self.lora is not None:
             raise fail("fsdp", "sharding a LoRA policy is not supported yet: drop one of them")
         if self.fsdp and self.generation_backend == "vllm":
@@ -414,7 +496,8 @@ def _map_paths(
     output_path: Callable[[str], str],
 ) -> RunManifest:
     """Rewrite each relative path field: the files a run reads with ``input_path`` (``None``
-    keeps the value), ``training.output_dir`` with ``output_path``."""
+    keeps the value), ``training.output_dir`` and ``training.vllm_server.weights_dir`` with
+    ``output_path``."""
 
     def rewritten(section: BaseModel, fields: tuple[str, ...]) -> dict[str, str]:
         updates = {}
@@ -434,7 +517,14 @@ def _map_paths(
     if model_paths:
         updates["model"] = manifest.model.model_copy(update=model_paths)
     training = manifest.training
-    if training is not None and training.output_dir and not Path(training.output_dir).is_absolute():
-        output_dir = output_path(training.output_dir)
-        updates["training"] = training.model_copy(update={"output_dir": output_dir})
+    if training is not None:
+        training_paths: dict[str, Any] = {}
+        if training.output_dir and not Path(training.output_dir).is_absolute():
+            training_paths["output_dir"] = output_path(training.output_dir)
+        server = training.vllm_server
+        if server is not None and server.weights_dir and not Path(server.weights_dir).is_absolute():
+            weights_dir = output_path(server.weights_dir)
+            training_paths["vllm_server"] = server.model_copy(update={"weights_dir": weights_dir})
+        if training_paths:
+            updates["training"] = training.model_copy(update=training_paths)
     return manifest.model_copy(update=updates) if updates else manifest

@@ -2,7 +2,9 @@
 
 One step: the collector plays ``batch_size`` groups of ``group_size`` episodes with the
 current policy (an :class:`HFBackend` over the unwrapped model, no grad; or a vLLM engine
-given the policy's weights after every step); each finished episode's advantage is its reward
+given the policy's weights after every step), or ``vllm serve`` processes have played it ahead
+within ``max_staleness`` policy versions (:mod:`~agile_llmenvs.training.server_rollouts`;
+groups with an older member are dropped); each finished episode's advantage is its reward
 minus the mean of its group's finished members (optionally over their std); then
 :func:`~agile_llmenvs.training.grpo_update.grpo_update` takes ``num_iterations`` passes of
 ``mini_batches`` optimizer steps on PPO's clipped importance-ratio surrogate against the
@@ -16,38 +18,28 @@ import dataclasses
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from agile_llmenvs.backends.hf import HFBackend
-from agile_llmenvs.backends.types import SamplingParams
-from agile_llmenvs.llm_envs.collector import RolloutCollector
 from agile_llmenvs.llm_envs.trajectory import RolloutBatch
-from agile_llmenvs.specs import LLMEnvSpec, RunManifest, TrainingSpec
-from agile_llmenvs.specs.manifest import VLLMGenerationSpec
-from agile_llmenvs.training.checkpoint import load_checkpoint, save_checkpoint
+from agile_llmenvs.specs import RunManifest, TrainingSpec
+from agile_llmenvs.training.checkpoint import save_checkpoint
 from agile_llmenvs.training.common import (
     TrainResult,
-    prepare_policy,
-    reference_model,
     training_spec,
 )
-from agile_llmenvs.training.grpo_update import UpdateSettings, grpo_update
-from agile_llmenvs.training.held_out import EVAL_METRICS, HeldOutEval
+from agile_llmenvs.training.grpo_setup import GRPORun, setup_run, step_seed
+from agile_llmenvs.training.grpo_update import grpo_update
+from agile_llmenvs.training.held_out import EVAL_METRICS
 from agile_llmenvs.training.interrupt import StopRequest
-from agile_llmenvs.training.learner import Learner
 from agile_llmenvs.training.losses import group_advantages
 from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
 from agile_llmenvs.training.policy_batch import PolicyBatch, build_policy_batch
 from agile_llmenvs.training.progress import Progress
 from agile_llmenvs.training.rollout_log import ROLLOUTS_FILE, RolloutLog
 from agile_llmenvs.training.run_folder import plan_run, start_run
-from agile_llmenvs.training.sampling import Sampler
-from agile_llmenvs.training.sharding import GenerationSync, is_sharded
-from agile_llmenvs.training.vllm_engine import PolicyVLLMEngine
 
 __all__ = ["GRPO_METRICS", "PolicyBatch", "build_policy_batch", "train_grpo"]
 
@@ -74,51 +66,11 @@ GRPO_METRICS = (
     "entropy",
     "failed_episodes",
     "dropped_groups",
+    "stale_groups",
+    "policy_lag_max",
     "learning_rate",
     *EVAL_METRICS,
 )
-
-
-@dataclass
-class _Run:
-    """What a GRPO run holds between steps (set up once by :func:`_setup`)."""
-
-    learner: Learner
-    tokenizer: Any
-    reference: Any
-    collector: RolloutCollector
-    sampler: Sampler
-    settings: UpdateSettings
-    start_step: int
-    engine: PolicyVLLMEngine | None = None
-    keep_checkpoints: int | None = None
-    held_out: HeldOutEval | None = None
-
-    @property
-    def accelerator(self) -> Any:
-        """The run's ``accelerate.Accelerator``."""
-        return self.learner.accelerator
-
-    @property
-    def model(self) -> Any:
-        """The prepared policy."""
-        return self.learner.model
-
-    def close(self) -> None:
-        """Release the env slots, the env hosts behind them (if any), and the vLLM engine."""
-        self.collector.close()
-        _close_factory(self.collector)
-        if self.held_out is not None:
-            self.held_out.close()
-        if self.engine is not None:
-            self.engine.close()
-
-
-def _close_factory(collector: RolloutCollector) -> None:
-    """Stop what the run's env factory holds (Ray env hosts have a ``close``)."""
-    close = getattr(collector.env_factory, "close", None)
-    if callable(close):
-        close()
 
 
 def train_grpo(
@@ -150,7 +102,7 @@ def train_grpo(
     if plan.complete:
         return plan.complete_result()
     output_dir = plan.output_dir
-    run = _setup(manifest, output_dir, resume)
+    run = setup_run(manifest, output_dir, resume)
     try:
         start_run(plan, manifest, run.accelerator)
         with StopRequest() as stop:
@@ -169,7 +121,7 @@ def train_grpo(
 
 
 def _train(
-    run: _Run, manifest: RunManifest, output_dir: Path, resume: bool, stop: StopRequest
+    run: GRPORun, manifest: RunManifest, output_dir: Path, resume: bool, stop: StopRequest
 ) -> list[dict[str, float]]:
     """Run the steps left, writing each one's metrics and the periodic checkpoints; a
     SIGINT / SIGTERM ends the loop after the step it arrives in."""
@@ -194,8 +146,7 @@ def _train(
     progress = Progress("grpo", start=run.start_step, total=config.max_steps, enabled=main)
     try:
         for step in range(run.start_step, config.max_steps):
-            # Sampling seeds follow the step, so a resumed run samples what the whole run would.
-            seed = (manifest.seed * 1_000_003 + step) * 4096 + run.accelerator.process_index * 64
+            seed = step_seed(manifest.seed, step, run.accelerator.process_index)
             row = _step(run, config, step + 1, seed, rollouts)
             row.update(_evaluate(run, step + 1))
             history.append(row)
@@ -216,7 +167,7 @@ def _train(
     return history
 
 
-def _evaluate(run: _Run, step: int) -> dict[str, float]:
+def _evaluate(run: GRPORun, step: int) -> dict[str, float]:
     """The held-out evaluation after ``step`` when one is due (NaN, an empty cell, if not)."""
     if run.held_out is None or not run.held_out.due(step):
         return dict.fromkeys(EVAL_METRICS, math.nan)
@@ -225,20 +176,26 @@ def _evaluate(run: _Run, step: int) -> dict[str, float]:
 
 
 def _step(
-    run: _Run, config: TrainingSpec, step: int, seed: int, rollouts: RolloutLog | None = None
+    run: GRPORun, config: TrainingSpec, step: int, seed: int, rollouts: RolloutLog | None = None
 ) -> dict[str, float]:
-    """One GRPO step: collect, score, learn, and (vLLM) send the new weights to the engine;
-    ``rollouts`` (the main process's) then logs a few episodes when the step is due.
+    """One GRPO step: collect, score, learn, and (vLLM) send the new weights to the engine
+    or the servers; ``rollouts`` (the main process's) then logs a few episodes when the step
+    is due.
 
     ``env_time_s`` is everything but generation, learning and the weight sync: the envs,
-    the harness, the collector, advantages and batch building.
+    the harness, the collector, advantages and batch building. With servers the rollouts
+    were played ahead; ``gen_time_s`` is then the time this step waited for them.
     """
     step_start = time.perf_counter()
-    rollout, rewards_GN = _collect(run, config, seed)
+    rollout, rewards_GN, gen_time = _collect(run, config, seed, step - 1)
     finished_GN = torch.tensor([not t.failed for t in rollout.trajectories])
     finished_GN = finished_GN.view_as(rewards_GN)
+    fresh_GN = torch.ones_like(finished_GN)
+    if run.server is not None:  # a stale group is dropped whole: its advantages are relative
+        stale_G = torch.tensor(run.server.stale_groups(rollout, step - 1))
+        fresh_GN &= ~stale_G[:, None]
     advantages_GN, kept_GN = group_advantages(
-        rewards_GN, scale=config.scale_advantages, finished_GN=finished_GN
+        rewards_GN, scale=config.scale_advantages, finished_GN=finished_GN & fresh_GN
     )
     pad_id = run.tokenizer.pad_token_id or 0
     batch = build_policy_batch(rollout, advantages_GN.flatten(), pad_id, kept_GN.flatten().tolist())
@@ -249,11 +206,13 @@ def _step(
     sync_start = time.perf_counter()
     if run.engine is not None:
         run.engine.load_weights(run.accelerator.unwrap_model(run.model))
+    if run.server is not None and run.server.sync_due(step):
+        run.server.sync(run.accelerator.unwrap_model(run.model), version=step)
     sync_time = time.perf_counter() - sync_start
     step_time = time.perf_counter() - step_start
     timings = {
-        "gen_time_s": run.sampler.seconds,
-        "env_time_s": step_time - run.sampler.seconds - learn_time - sync_time,
+        "gen_time_s": gen_time,
+        "env_time_s": step_time - gen_time - learn_time - sync_time,
         "learn_time_s": learn_time,
         "weight_sync_time_s": sync_time,
         "step_time_s": step_time,
@@ -261,15 +220,21 @@ def _step(
     counts = {
         "failed_episodes": float((~finished_GN).sum()),
         "dropped_groups": float((~kept_GN.any(dim=1)).sum()),
+        "stale_groups": float((~fresh_GN.all(dim=1)).sum()),
     }
-    measured = {**losses, **timings, "learning_rate": learning_rate}
+    measured = {
+        **losses,
+        **timings,
+        "learning_rate": learning_rate,
+        "policy_lag_max": _policy_lag(rollout, kept_GN, step - 1),
+    }
     if rollouts is not None:  # after the timings: decoding is not part of the step
         rollouts.maybe_write(step, rollout.trajectories)
     return _step_row(run, step, rewards_GN, finished_GN, batch, rollout, measured, counts)
 
 
 def _step_row(
-    run: _Run,
+    run: GRPORun,
     step: int,
     rewards_GN: torch.Tensor,
     finished_GN: torch.Tensor,
@@ -303,119 +268,27 @@ def _step_row(
     return row
 
 
-def _setup(manifest: RunManifest, output_dir: Path, resume: bool) -> _Run:
-    """Load the policy (and a reference when ``beta > 0``), the optimizer, the vLLM engine
-    when asked for, and the collector; then the checkpoint when resuming."""
-    config = training_spec(manifest)
-    total_steps = config.max_steps * config.num_iterations * config.mini_batches
-    learner, tokenizer = prepare_policy(manifest, config, total_steps=total_steps)
-    accelerator = learner.accelerator
-    policy = accelerator.unwrap_model(learner.model)
-    reference = reference_model(policy, accelerator.device) if config.beta else None
-    max_model_len = manifest.model.max_model_len or policy.config.max_position_embeddings
-    engine = None
-    if config.generation_backend == "vllm":
-        engine = PolicyVLLMEngine(
-            manifest,
-            config.vllm or VLLMGenerationSpec(),
-            max_model_len=max_model_len,
-            num_processes=accelerator.num_processes,
-        )
-    params = SamplingParams(
-        max_tokens=config.max_new_tokens,
-        temperature=config.temperature,
-        top_p=config.top_p,
-        top_k=config.top_k,
-    )
-    sampler = Sampler(
-        engine.backend if engine else HFBackend.from_model(policy, tokenizer),
-        params,
-        sync=GenerationSync(accelerator.device) if is_sharded(policy) else None,
-    )
-    collector = None
-    try:
-        collector, max_turns = _make_collector(manifest, tokenizer, max_model_len, accelerator)
-        start_step = 0
-        if resume:
-            start_step, rank_state = load_checkpoint(
-                output_dir,
-                accelerator=accelerator,
-                model=learner.model,
-                optimizer=learner.optimizer,
-                scheduler=learner.scheduler,
-            )
-            collector.load_state_dict(rank_state["collector"])
-        if engine is not None:
-            engine.load_weights(policy)  # the checkpoint's, or the adapters merged in
-        held_out = HeldOutEval.build(manifest, tokenizer, max_model_len, accelerator)
-    except BaseException:
-        if collector is not None:
-            collector.close()
-            _close_factory(collector)
-        if engine is not None:
-            engine.close()
-        raise
-    return _Run(
-        learner,
-        tokenizer,
-        reference,
-        collector,
-        sampler,
-        _update_settings(manifest, max_turns),
-        start_step,
-        engine,
-        keep_checkpoints=config.keep_checkpoints,
-        held_out=held_out,
-    )
+def _policy_lag(rollout: RolloutBatch, kept_GN: torch.Tensor, version: int) -> float:
+    """How many versions the oldest trained episode's policy lags ``version`` by (0 for
+    rollouts sampled from the policy itself, which record no version)."""
+    lags = [
+        version - t.policy_version
+        for t, kept in zip(rollout.trajectories, kept_GN.flatten().tolist(), strict=True)
+        if kept and t.policy_version is not None
+    ]
+    return float(max(lags, default=0))
 
 
-def _update_settings(manifest: RunManifest, max_turns: int) -> UpdateSettings:
-    """The learning step's settings; ``max_turns`` is the env's turn budget, as the rollout
-    factory found it (the manifest's, or what the env declares)."""
-    config = training_spec(manifest)
-    return UpdateSettings(
-        loss_type=config.loss_type,
-        clip_eps=config.clip_eps,
-        beta=config.beta or 0.0,
-        temperature=config.temperature,
-        max_completion_tokens=config.max_completion_tokens or config.max_new_tokens * max_turns,
-        micro_batch_size=config.micro_batch_size,
-        num_iterations=config.num_iterations,
-        mini_batches=config.mini_batches,
-        chunk_tokens=config.logps_chunk_tokens,
-    )
-
-
-def _make_collector(
-    manifest: RunManifest, tokenizer: Any, max_model_len: int, accelerator: Any
-) -> tuple[RolloutCollector, int]:
-    """This rank's collector over the manifest's rollout env, and the env's turn budget."""
-    from agile_llmenvs.envs import make_rollout_env_factory
-
-    config = training_spec(manifest)
-    env_spec = manifest.env
-    assert isinstance(env_spec, LLMEnvSpec)  # the manifest validator pairs grpo with rollout
-    env_factory, max_turns = make_rollout_env_factory(
-        env_spec,
-        tokenizer,
-        max_model_len=max_model_len,
-        max_output_tokens=config.max_new_tokens,
-        seed=manifest.seed,
-    )
-    collector = RolloutCollector(
-        env_factory,
-        config.batch_size,
-        config.group_size,
-        base_seed=manifest.seed,
-        rank=accelerator.process_index,
-        world_size=accelerator.num_processes,
-        adaptive_task_sampling=env_spec.adaptive_task_sampling,
-    )
-    return collector, max_turns
-
-
-def _collect(run: _Run, config: TrainingSpec, seed: int) -> tuple[RolloutBatch, torch.Tensor]:
-    """Play one batch of groups with the current policy; returns it and its rewards ``[G, N]``."""
+def _collect(
+    run: GRPORun, config: TrainingSpec, seed: int, step_index: int
+) -> tuple[RolloutBatch, torch.Tensor, float]:
+    """The batch of step ``step_index`` (0-based): played now with the current policy, or
+    (servers) the round played ahead for it. Returns it, its rewards ``[G, N]`` and the
+    seconds spent generating (with servers: waiting for the round)."""
+    if run.server is not None:
+        played, waited = run.server.next_round(step_index)
+        rewards_GN = torch.tensor([t.reward for t in played.batch.trajectories])
+        return played.batch, rewards_GN.view(-1, config.group_size), waited
     run.sampler.params = dataclasses.replace(run.sampler.params, seed=seed)
     run.sampler.seconds, run.sampler.calls = 0.0, 0
     run.accelerator.unwrap_model(run.model).eval()
@@ -423,10 +296,13 @@ def _collect(run: _Run, config: TrainingSpec, seed: int) -> tuple[RolloutBatch, 
         rollout = run.collector.collect(run.sampler, dynamic_sampling=config.dynamic_sampling)
         run.sampler.drain()
     rewards_GN = torch.tensor([t.reward for t in rollout.trajectories])
-    return rollout, rewards_GN.view(-1, config.group_size)
+    return rollout, rewards_GN.view(-1, config.group_size), run.sampler.seconds
 
 
-def _save(output_dir: Path, step: int, run: _Run) -> Path:
+def _save(output_dir: Path, step: int, run: GRPORun) -> Path:
+    collector_state = (
+        run.server.resume_state(step) if run.server is not None else run.collector.state_dict()
+    )
     return save_checkpoint(
         output_dir,
         step=step,
@@ -434,7 +310,7 @@ def _save(output_dir: Path, step: int, run: _Run) -> Path:
         model=run.model,
         optimizer=run.learner.optimizer,
         tokenizer=run.tokenizer,
-        rank_state={"collector": run.collector.state_dict()},
+        rank_state={"collector": collector_state},
         scheduler=run.learner.scheduler,
         keep=run.keep_checkpoints,
     )

@@ -1,0 +1,241 @@
+"""Setting a GRPO run up: the policy, the reference, the generation path and the collector.
+
+:func:`setup_run` loads what :func:`~agile_llmenvs.training.grpo.train_grpo` holds between
+steps (a :class:`GRPORun`): the policy and its optimizer, a frozen reference when ``beta > 0``,
+what generates (transformers on the policy, an in-process vLLM engine, or ``vllm serve``
+processes fed by :class:`~agile_llmenvs.training.server_rollouts.ServerRollouts`), the
+collector, and the checkpoint's state when resuming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agile_llmenvs.backends.hf import HFBackend
+from agile_llmenvs.backends.types import SamplingParams
+from agile_llmenvs.errors import AgileLLMEnvsError
+from agile_llmenvs.llm_envs.collector import RolloutCollector
+from agile_llmenvs.specs import LLMEnvSpec, RunManifest
+from agile_llmenvs.specs.manifest import VLLMGenerationSpec
+from agile_llmenvs.training.checkpoint import load_checkpoint
+from agile_llmenvs.training.common import prepare_policy, reference_model, training_spec
+from agile_llmenvs.training.grpo_update import UpdateSettings
+from agile_llmenvs.training.held_out import HeldOutEval
+from agile_llmenvs.training.learner import Learner
+from agile_llmenvs.training.sampling import Sampler
+from agile_llmenvs.training.server_rollouts import ServerRollouts, server_backend
+from agile_llmenvs.training.sharding import GenerationSync, is_sharded
+from agile_llmenvs.training.vllm_engine import PolicyVLLMEngine
+
+__all__ = ["GRPORun", "setup_run", "step_seed"]
+
+
+@dataclass
+class GRPORun:
+    """What a GRPO run holds between steps (set up once by :func:`_setup`)."""
+
+    learner: Learner
+    tokenizer: Any
+    reference: Any
+    collector: RolloutCollector
+    sampler: Sampler
+    settings: UpdateSettings
+    start_step: int
+    engine: PolicyVLLMEngine | None = None
+    server: ServerRollouts | None = None
+    keep_checkpoints: int | None = None
+    held_out: HeldOutEval | None = None
+
+    @property
+    def accelerator(self) -> Any:
+        """The run's ``accelerate.Accelerator``."""
+        return self.learner.accelerator
+
+    @property
+    def model(self) -> Any:
+        """The prepared policy."""
+        return self.learner.model
+
+    def close(self) -> None:
+        """Release the producer and its servers' connections, the env slots, the env hosts
+        behind them (if any), and the vLLM engine."""
+        if self.server is not None:
+            self.server.close()
+            self.server.backend.close()
+        self.collector.close()
+        _close_factory(self.collector)
+        if self.held_out is not None:
+            self.held_out.close()
+        if self.engine is not None:
+            self.engine.close()
+
+
+def _close_factory(collector: RolloutCollector) -> None:
+    """Stop what the run's env factory holds (Ray env hosts have a ``close``)."""
+    close = getattr(collector.env_factory, "close", None)
+    if callable(close):
+        close()
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The sampling seed of a step's rollouts: it follows the step, so a resumed run samples
+    what the whole run would."""
+    return (seed * 1_000_003 + step) * 4096 + rank * 64
+
+
+def setup_run(manifest: RunManifest, output_dir: Path, resume: bool) -> GRPORun:
+    """Load the policy (and a reference when ``beta > 0``), the optimizer, the vLLM engine
+    when asked for, and the collector; then the checkpoint when resuming."""
+    config = training_spec(manifest)
+    total_steps = config.max_steps * config.num_iterations * config.mini_batches
+    learner, tokenizer = prepare_policy(manifest, config, total_steps=total_steps)
+    accelerator = learner.accelerator
+    policy = accelerator.unwrap_model(learner.model)
+    reference = reference_model(policy, accelerator.device) if config.beta else None
+    max_model_len = manifest.model.max_model_len or policy.config.max_position_embeddings
+    engine = None
+    if config.generation_backend == "vllm":
+        engine = PolicyVLLMEngine(
+            manifest,
+            config.vllm or VLLMGenerationSpec(),
+            max_model_len=max_model_len,
+            num_processes=accelerator.num_processes,
+        )
+    params = SamplingParams(
+        max_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+    )
+    sampler = Sampler(
+        engine.backend if engine else HFBackend.from_model(policy, tokenizer),
+        params,
+        sync=GenerationSync(accelerator.device) if is_sharded(policy) else None,
+    )
+    if config.generation_backend == "vllm_server" and accelerator.num_processes > 1:
+        raise AgileLLMEnvsError(
+            f"training.generation_backend 'vllm_server' runs with one training process, not "
+            f"{accelerator.num_processes}: launch one process"
+        )
+    collector = server = None
+    try:
+        collector, max_turns = _make_collector(manifest, tokenizer, max_model_len, accelerator)
+        start_step = 0
+        if resume:
+            start_step, rank_state = load_checkpoint(
+                output_dir,
+                accelerator=accelerator,
+                model=learner.model,
+                optimizer=learner.optimizer,
+                scheduler=learner.scheduler,
+            )
+            collector.load_state_dict(rank_state["collector"])
+        if engine is not None:
+            engine.load_weights(policy)  # the checkpoint's, or the adapters merged in
+        if config.generation_backend == "vllm_server":
+            server = _server_rollouts(
+                manifest, output_dir, tokenizer, collector, params, start_step
+            )
+            server.sync(policy, version=start_step)  # the checkpoint's, or the adapters merged in
+        held_out = HeldOutEval.build(manifest, tokenizer, max_model_len, accelerator)
+    except BaseException:
+        if server is not None:
+            server.close()
+            server.backend.close()
+        if collector is not None:
+            collector.close()
+            _close_factory(collector)
+        if engine is not None:
+            engine.close()
+        raise
+    return GRPORun(
+        learner,
+        tokenizer,
+        reference,
+        collector,
+        sampler,
+        _update_settings(manifest, max_turns),
+        start_step,
+        engine,
+        server,
+        keep_checkpoints=config.keep_checkpoints,
+        held_out=held_out,
+    )
+
+
+def _server_rollouts(
+    manifest: RunManifest,
+    output_dir: Path,
+    tokenizer: Any,
+    collector: RolloutCollector,
+    params: SamplingParams,
+    start_step: int,
+) -> ServerRollouts:
+    """The producer of rounds from the manifest's servers (``generation_backend:
+    vllm_server``); it starts with the first weight sync."""
+    config = training_spec(manifest)
+    spec = config.vllm_server
+    assert spec is not None  # the training spec's validator asks for it
+    backend = server_backend(spec, tokenizer, output_dir)
+    try:
+        return ServerRollouts(
+            backend,
+            collector,
+            params,
+            lambda step: step_seed(manifest.seed, step, rank=0),
+            max_staleness=config.max_staleness,
+            sync_every=spec.sync_every,
+            start_step=start_step,
+            max_steps=config.max_steps,
+            dynamic_sampling=config.dynamic_sampling,
+        )
+    except BaseException:
+        backend.close()
+        raise
+
+
+def _update_settings(manifest: RunManifest, max_turns: int) -> UpdateSettings:
+    """The learning step's settings; ``max_turns`` is the env's turn budget, as the rollout
+    factory found it (the manifest's, or what the env declares)."""
+    config = training_spec(manifest)
+    return UpdateSettings(
+        loss_type=config.loss_type,
+        clip_eps=config.clip_eps,
+        beta=config.beta or 0.0,
+        temperature=config.temperature,
+        max_completion_tokens=config.max_completion_tokens or config.max_new_tokens * max_turns,
+        micro_batch_size=config.micro_batch_size,
+        num_iterations=config.num_iterations,
+        mini_batches=config.mini_batches,
+        chunk_tokens=config.logps_chunk_tokens,
+    )
+
+
+def _make_collector(
+    manifest: RunManifest, tokenizer: Any, max_model_len: int, accelerator: Any
+) -> tuple[RolloutCollector, int]:
+    """This rank's collector over the manifest's rollout env, and the env's turn budget."""
+    from agile_llmenvs.envs import make_rollout_env_factory
+
+    config = training_spec(manifest)
+    env_spec = manifest.env
+    assert isinstance(env_spec, LLMEnvSpec)  # the manifest validator pairs grpo with rollout
+    env_factory, max_turns = make_rollout_env_factory(
+        env_spec,
+        tokenizer,
+        max_model_len=max_model_len,
+        max_output_tokens=config.max_new_tokens,
+        seed=manifest.seed,
+    )
+    collector = RolloutCollector(
+        env_factory,
+        config.batch_size,
+        config.group_size,
+        base_seed=manifest.seed,
+        rank=accelerator.process_index,
+        world_size=accelerator.num_processes,
+        adaptive_task_sampling=env_spec.adaptive_task_sampling,
+    )
+    return collector, max_turns

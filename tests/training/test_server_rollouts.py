@@ -155,7 +155,7 @@ def test_a_round_that_raises_is_raised_to_the_trainer() -> None:
 
 
 def test_resume_state_is_the_task_state_before_the_next_steps_round() -> None:
-    rollouts, collector, events = _rollouts(max_staleness=1)
+    rollouts, collector, _ = _rollouts(max_staleness=1)
     rollouts.sync(None, version=0)
     rollouts.next_round(0)
     while collector.rounds < 2:  # round 1 was played ahead, at v0
@@ -197,8 +197,7 @@ def _manifest(**training: Any) -> dict[str, Any]:
         ),
         (
             {"generation_backend": "vllm_server", "vllm_server": {"urls": ["127.0.0.1:8000"]}},
-            "urls: '127.0.0.1:8000' is not an http(s) URL: write "
-            "`http://host:port`",
+            "urls: '127.0.0.1:8000' is not an http(s) URL: write `http://host:port`",
         ),
         (
             {

@@ -116,7 +116,7 @@ class ServerRollouts:
         with self._served:
             self._served_version = version
             self._served.notify_all()
-        if not self._thread.is_alive() and not self._stop.is_set():
+        if self._thread.ident is None and not self._stop.is_set():  # not started yet
             self._thread.start()
         return time.perf_counter() - start
 

@@ -57,7 +57,7 @@ class _Collector:
         return RolloutBatch(group, 2, 0)
 
 
-def _rollouts(max_staleness: int, sync_every: int = 1, steps: int = 4) -> tuple[Any, ...]:
+def _rollouts(max_staleness: int, sync_every: int = 1, steps: int = 3) -> tuple[Any, ...]:
     events: list[str] = []
     backend = _Backend()
     collector = _Collector(backend, events)

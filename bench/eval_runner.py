@@ -5,10 +5,11 @@
   (pre-tokenised), same sampling. Figure: throughput ratio floor_s / runner_s (target >= 0.8).
 * ``api``: 256 chat requests through ``OpenAIBackend`` (and ``AnthropicBackend``) at
   ``max_concurrency=64`` against a local server (its own process) that answers after 100 ms.
-  The ideal is 256 / 64 x 0.1 s = 0.4 s. Figure: wall_s / 0.4 (target <= 1.3). Two floors
-  run in the same rounds, on the same kind of event loop: each official SDK alone (its async
-  client and ``post`` under a bare semaphore, the SDK's aiohttp transport: what any caller
-  of the SDK pays) and plain ``aiohttp`` (what the transport alone costs).
+  Two floors run in the same rounds, on the same kind of event loop: each official SDK alone
+  (its async client and ``post`` under a bare semaphore, the SDK's aiohttp transport: what
+  any caller of the SDK pays) and plain ``aiohttp`` (what the transport alone costs). Figure:
+  each backend's wall time over its SDK's floor (target <= 1.1); beside it, for reference,
+  wall_s over the ideal 256 / 64 x 0.1 s = 0.4 s, and the plain-aiohttp floor's.
 
 Rounds are interleaved; ratios use each side's best round (these shared 2-core machines
 drift from minute to minute), medians are reported beside them. Torch runs on one thread,
@@ -197,9 +198,11 @@ def main() -> None:
         "bench": "eval_runner",
         "runner_throughput_ratio": runner["throughput_ratio"],
         "runner_target": ">= 0.8",
+        "api_openai_over_sdk": api["openai_over_sdk"],
+        "api_anthropic_over_sdk": api["anthropic_over_sdk"],
+        "api_over_sdk_target": "<= 1.1",
         "api_openai_ratio": api["openai_ratio"],
         "api_anthropic_ratio": api["anthropic_ratio"],
-        "api_target": "<= 1.3",
         "api_openai_sdk_ratio": api["openai_sdk_ratio"],
         "api_anthropic_sdk_ratio": api["anthropic_sdk_ratio"],
         "api_aiohttp_ratio": api["aiohttp_ratio"],

@@ -79,7 +79,7 @@ def drive(turn: EnvTurn[T], client: Any) -> T:
             else:
                 call = turn.send(reply)
     except StopIteration as stop:
-        return stop.value  # type: ignore[no-any-return]
+        return stop.value
 
 
 class AsyncEnvCalls:
@@ -112,7 +112,7 @@ class AsyncEnvCalls:
                 else:
                     call = turn.send(reply)
         except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
+            return stop.value
 
     async def perform(self, call: EnvCall, client: Any) -> Any:
         """Make one env call without blocking the loop (except an inline, proven-fast one)."""

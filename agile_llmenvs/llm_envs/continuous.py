@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import hashlib
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, TypeVar
 
@@ -240,7 +240,7 @@ class ContinuousRollouts:
             waiter.set_result(taken)
 
 
-async def _all(calls: list[Awaitable[T]]) -> list[T]:
+async def _all(calls: Sequence[Awaitable[T]]) -> list[T]:
     """Await ``calls`` concurrently; the first to raise cancels the rest and is raised as
     itself (a bug, since failures are values here), not inside an exception group."""
     try:

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -169,14 +170,16 @@ class ServerRollouts:
 
     # -- the producer's side ---------------------------------------------------------------------
 
+    def _may_start(self, step: int) -> bool:
+        """Whether the round of ``step`` may start: the servers hold the weights of step
+        ``step - max_staleness`` or later (or the producer is stopping)."""
+        return self._stop.is_set() or self._served_version >= step - self.max_staleness
+
     def _produce(self) -> None:
         step = self.start_step
         while step < self.max_steps:
             with self._served:
-                oldest = step - self.max_staleness  # the oldest weights round `step` may use
-                self._served.wait_for(
-                    lambda oldest=oldest: self._stop.is_set() or self._served_version >= oldest
-                )
+                self._served.wait_for(partial(self._may_start, step))
                 if self._stop.is_set():
                     return
                 self._snapshots = {

@@ -69,7 +69,8 @@ def _write(tmp_path: Path, text: str) -> Path:
         (
             "environments: [{name: a}]\nmodel: {backend: hal, model: m}\n",
             ("model", "backend"),
-            "Input should be 'huggingface', 'vllm', 'vllm_server', 'openai', 'anthropic' or 'openrouter'",
+            "Input should be 'huggingface', 'vllm', 'vllm_server', 'openai', 'anthropic' or "
+            "'openrouter'",
         ),
         (
             "environments: [{name: a}]\nmodel: {backend: openai, model: m}\n"

@@ -14,7 +14,7 @@ import torch
 from agile_llmenvs.errors import CheckpointError, OptionalDependencyError
 from agile_llmenvs.specs import RunManifest
 from agile_llmenvs.specs.manifest import LoRASpec
-from agile_llmenvs.training import grpo, supervised, train_dpo, train_grpo, train_sft
+from agile_llmenvs.training import grpo_setup, supervised, train_dpo, train_grpo, train_sft
 from agile_llmenvs.training.common import reference_model
 from agile_llmenvs.training.lora import AdaptersOffReference, apply_lora, merged_weights
 
@@ -90,7 +90,7 @@ def test_lora_grpo_trains_the_adapters_against_the_base_model(
     tiny_model_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    policies = _Policies(grpo, monkeypatch)
+    policies = _Policies(grpo_setup, monkeypatch)
     manifest = make_manifest(
         "quickstart.yaml",
         env=dense_env,

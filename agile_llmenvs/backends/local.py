@@ -15,6 +15,7 @@ from typing import Any
 
 from agile_llmenvs.backends.types import (
     Completion,
+    FinishReason,
     Generation,
     Messages,
     SamplingParams,
@@ -22,7 +23,7 @@ from agile_llmenvs.backends.types import (
     Tools,
 )
 
-__all__ = ["LocalChatBackend", "cut_at_stop", "parse_tool_calls"]
+__all__ = ["LocalChatBackend", "chat_completion", "cut_at_stop", "parse_tool_calls"]
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -122,11 +123,11 @@ class LocalChatBackend(ABC):
     def _chat(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         if not prompts:
             return []
-        completions = []
-        for generation in self.generate(prompts, params):
-            calls = parse_tool_calls(generation.text)
-            reason = "tool_calls" if calls else generation.finish_reason
-            completions.append(
-                Completion(generation.text, reason, tool_calls=calls, generation=generation)
-            )
-        return completions
+        return [chat_completion(g) for g in self.generate(prompts, params)]
+
+
+def chat_completion(generation: Generation) -> Completion:
+    """The chat completion of one generation: its text, and the tool calls parsed from it."""
+    calls = parse_tool_calls(generation.text)
+    reason: FinishReason = "tool_calls" if calls else generation.finish_reason
+    return Completion(generation.text, reason, tool_calls=calls, generation=generation)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from agile_llmenvs.backends.local import LocalChatBackend, parse_tool_calls
+from agile_llmenvs.backends.local import LocalChatBackend, chat_completion
 from agile_llmenvs.backends.types import Completion, FinishReason, Generation, SamplingParams
 from agile_llmenvs.backends.vllm import _SEED_STRIDE
 from agile_llmenvs.errors import (
@@ -193,15 +193,12 @@ class VLLMServerBackend(LocalChatBackend):
     def _chat(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Chat completions; a request its server failed is a failed completion (its
         trajectory ends with a backend error), not an exception that sinks the batch."""
-        completions = []
-        for result in self.generate_results(prompts, params):
-            if isinstance(result, GenerationServerError):
-                completions.append(Completion.failed(f"{type(result).__name__}: {result}"))
-                continue
-            calls = parse_tool_calls(result.text)
-            reason: FinishReason = "tool_calls" if calls else result.finish_reason
-            completions.append(Completion(result.text, reason, tool_calls=calls, generation=result))
-        return completions
+        return [
+            Completion.failed(f"{type(r).__name__}: {r}")
+            if isinstance(r, GenerationServerError)
+            else chat_completion(r)
+            for r in self.generate_results(prompts, params)
+        ]
 
     async def _batch(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
@@ -322,8 +319,8 @@ class VLLMServerBackend(LocalChatBackend):
     def sync_weights(self, policy: Any, *, version: int | None = None) -> float:
         """Load ``policy``'s weights (LoRA adapters merged in) into every server.
 
-        Call it with no requests in flight: a request running through the reload samples
-        some tokens with the old weights.
+        Requests in flight go on through the reload: their later tokens are sampled with the
+        new weights (each token's log-prob is still the one it was sampled with).
 
         Args:
             policy: A Hugging Face causal LM of the served architecture, or a peft model.

@@ -232,16 +232,20 @@ class RolloutCollector:
         batch is refilled from new tasks, for at most ``max_attempts`` rounds; the batch is
         then topped up with uninformative groups so every rank returns the same count.
         """
-        builder = BatchBuilder(
+        builder = self._batch_builder(dynamic_sampling, max_attempts)
+        while builder.wants_round():
+            builder.add_round(self._play(generate))
+        return builder.batch()
+
+    def _batch_builder(self, dynamic_sampling: bool, max_attempts: int) -> BatchBuilder:
+        """Assembles one batch of this rank's groups from rounds (both paths use it)."""
+        return BatchBuilder(
             self.groups,
             self.group_size,
             self._record,
             dynamic_sampling=dynamic_sampling,
             max_attempts=max_attempts,
         )
-        while builder.wants_round():
-            builder.add_round(self._play(generate))
-        return builder.batch()
 
     def _play(self, generate: Generate) -> list[tuple[Trajectory, ...]]:
         self.reset()

@@ -31,7 +31,7 @@ from agile_llmenvs.llm_envs.actions import AsyncEnvCalls
 from agile_llmenvs.llm_envs.episode import EpisodeData
 from agile_llmenvs.llm_envs.harness import RolloutHarness
 from agile_llmenvs.llm_envs.tasks import Task
-from agile_llmenvs.llm_envs.trajectory import BatchBuilder, RolloutBatch, Trajectory, failed_episode
+from agile_llmenvs.llm_envs.trajectory import RolloutBatch, Trajectory, failed_episode
 
 if TYPE_CHECKING:  # llm_envs does not import the backends layer
     from agile_llmenvs.backends.types import AsyncTokenBackend, SamplingParams
@@ -85,13 +85,7 @@ class ContinuousRollouts:
         :meth:`RolloutCollector.collect_continuous`)."""
         collector = self.collector
         await self._ensure_assigner()
-        builder = BatchBuilder(
-            collector.groups,
-            collector.group_size,
-            collector._record,
-            dynamic_sampling=dynamic_sampling,
-            max_attempts=max_attempts,
-        )
+        builder = collector._batch_builder(dynamic_sampling, max_attempts)
         while builder.wants_round():
             tasks = [collector.assigner.next_task() for _ in range(collector.groups)]
             played = [self.play_group(backend, params, task, g) for g, task in enumerate(tasks)]

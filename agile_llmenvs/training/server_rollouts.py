@@ -44,12 +44,10 @@ class Round:
     Attributes:
         step: The training step (0-based) it is for.
         batch: The groups played.
-        seconds: Wall time the round took to play.
     """
 
     step: int
     batch: RolloutBatch
-    seconds: float
 
 
 class _Failed:
@@ -99,8 +97,7 @@ class ServerRollouts:
         self.start_step, self.max_steps = start_step, max_steps
         self.dynamic_sampling = dynamic_sampling
         self._rounds: queue.Queue[Round | _Failed] = queue.Queue()
-        self._served = threading.Condition()
-        self._served_version = -1  # nothing synced yet: no round may start
+        self._served = threading.Condition()  # notified at each sync and at close
         self._snapshots: dict[int, dict[str, Any]] = {}  # step -> task state before its round
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name="server-rollouts", daemon=True)
@@ -115,7 +112,6 @@ class ServerRollouts:
         start = time.perf_counter()
         self.backend.sync_weights(policy, version=version)
         with self._served:
-            self._served_version = version
             self._served.notify_all()
         if self._thread.ident is None and not self._stop.is_set():  # not started yet
             self._thread.start()
@@ -173,7 +169,7 @@ class ServerRollouts:
     def _may_start(self, step: int) -> bool:
         """Whether the round of ``step`` may start: the servers hold the weights of step
         ``step - max_staleness`` or later (or the producer is stopping)."""
-        return self._stop.is_set() or self._served_version >= step - self.max_staleness
+        return self._stop.is_set() or self.backend.version >= step - self.max_staleness
 
     def _produce(self) -> None:
         step = self.start_step
@@ -187,7 +183,6 @@ class ServerRollouts:
                 }
                 self._snapshots[step] = copy.deepcopy(self.collector.state_dict())
             params = dataclasses.replace(self.params, seed=self.round_seed(step))
-            start = time.perf_counter()
             try:
                 batch = self.collector.collect_continuous(
                     self.backend, params, dynamic_sampling=self.dynamic_sampling
@@ -195,7 +190,7 @@ class ServerRollouts:
             except BaseException as exc:  # the trainer raises it at its next round
                 self._rounds.put(_Failed(exc))
                 return
-            self._rounds.put(Round(step, batch, time.perf_counter() - start))
+            self._rounds.put(Round(step, batch))
             step += 1
 
 

@@ -59,3 +59,11 @@ def fresh_accelerate_state() -> Iterator[None]:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
         PartialState._reset_state()
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package's tiny random vision-language model and its processor, built once."""
+    from agile_llmenvs.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "model")

@@ -25,9 +25,11 @@ from typing import Any, TypeVar
 
 from agile_llmenvs.errors import EnvError
 from agile_llmenvs.llm_envs.framing import ChatFramer
+from agile_llmenvs.llm_envs.image_framing import content_text, message_images, with_images
 from agile_llmenvs.llm_envs.tool_calls import ToolCall, parse_tool_calls, strip_reasoning
 from agile_llmenvs.transport.calls import CallPolicy
 from agile_llmenvs.transport.client import InProcessEnvClient
+from agile_llmenvs.transport.images import IMAGES_FIELD, ImageObservationError
 from agile_llmenvs.transport.types import EnvReply
 
 __all__ = [
@@ -175,13 +177,22 @@ class ActionPlayer:
         config: The harness's settings (``mcp_tool``, ``action_field``,
             ``tool_call_parser``, ``strip_reasoning``, ``reasoning_delimiters``,
             ``action_error_field``, ``malformed_tool_call_reward``).
+        images: Decodes a reply's images for the policy (raises
+            :class:`~agile_llmenvs.transport.images.ImageObservationError` for images it
+            cannot show); None: replies show none.
     """
 
     def __init__(
-        self, framer: ChatFramer, observation_text: Callable[[EnvReply], str], config: Any
+        self,
+        framer: ChatFramer,
+        observation_text: Callable[[EnvReply], str],
+        config: Any,
+        *,
+        images: Callable[[EnvReply], list[Any]] | None = None,
     ) -> None:
         self.framer, self.config = framer, config
         self.observation_text = observation_text
+        self.images = images
         self.delimiters = config.reasoning_delimiters or framer.reasoning or _DEFAULT_REASONING
         strip = config.strip_reasoning
         self.strip = framer.reasoning is not None if strip is None else bool(strip)
@@ -239,7 +250,7 @@ class ActionPlayer:
                 break
         role = self.framer.observation_role("tool")
         if role == "user":
-            outcome.observations = [{"role": "user", "content": "\n\n".join(texts)}]
+            outcome.observations = [{"role": "user", "content": _joined(texts)}]
         else:
             outcome.observations = [{"role": role, "content": text} for text in texts]
         return outcome
@@ -251,11 +262,27 @@ class ActionPlayer:
         except EnvError as exc:
             return ActionOutcome(0.0, {"error": f"{type(exc).__name__}: {exc}"})
         info = dict(reply.metadata)
+        if getattr(self.config, "image_field", None) is None:
+            info.pop(IMAGES_FIELD, None)  # shown to the policy, not kept in the info
         field_name = self.config.action_error_field
         if field_name:
             error = reply.observation.get(field_name) or reply.metadata.get(field_name)
             if error:
                 info["action_error"] = error
-        text = "" if reply.done else self.observation_text(reply)
-        observations = [{"role": "user", "content": text}]
-        return ActionOutcome(float(reply.reward or 0.0), info, observations, reply)
+        reward = float(reply.reward or 0.0)
+        if reply.done:
+            return ActionOutcome(reward, info, [{"role": "user", "content": ""}], reply)
+        try:
+            images = self.images(reply) if self.images is not None else []
+        except ImageObservationError as exc:
+            info["error"] = f"{type(exc).__name__}: {exc}"
+            return ActionOutcome(reward, info, [], reply)
+        content = with_images(self.observation_text(reply), images)
+        return ActionOutcome(reward, info, [{"role": "user", "content": content}], reply)
+
+
+def _joined(contents: Sequence[Any]) -> Any:
+    """Several observations' contents as one message's: the texts joined, after every image
+    they show."""
+    images = message_images([{"content": content} for content in contents])
+    return with_images("\n\n".join(map(content_text, contents)), images)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from agile_llmenvs.core.images import SampleImages
+
 __all__ = ["EpisodeData", "StopReason", "TokenSample", "TurnResult"]
 
 
@@ -37,12 +39,16 @@ class TokenSample:
         sampling_logps: The sampler's log-probabilities of the sampled ids, concatenated in
             order (length ``sum(action_mask)``); NaN for ids of a turn the policy gave none
             for (the trainer then scores them itself before its first update).
+        images: The images the sequence shows (a vision-language policy's), in the order of
+            their placeholder tokens in ``token_ids``, with the processor's tensors; None
+            when it shows none.
     """
 
     token_ids: tuple[int, ...]
     action_mask: tuple[bool, ...]
     turn_ids: tuple[int, ...]
     sampling_logps: tuple[float, ...] = ()
+    images: SampleImages | None = None
 
     def aligned_logps(self) -> list[float]:
         """``sampling_logps`` scattered onto the ``T - 1`` targets (NaN off the mask)."""

@@ -244,23 +244,43 @@ class ChatFramer:
 
         None when appending cannot equal the template's rendering (see :meth:`frame`).
         """
+        if not self.use_template:
+            if not observations:
+                raise ValueError("turn_ids needs at least one observation message")
+            return self.encode_continuation("\n\n".join(str(m["content"]) for m in observations))
+        parts = self.turn_text(completion_ids, observations, system=system)
+        if parts is None:
+            return None
+        text, skip = parts
+        return self.encode_continuation(text)[skip:]
+
+    def turn_text(
+        self,
+        completion_ids: Sequence[int],
+        observations: Sequence[Message],
+        *,
+        system: bool = False,
+    ) -> tuple[str, int] | None:
+        """The template's text that :meth:`turn_ids` tokenizes, and how many of its leading
+        ids the completion already produced (its end-of-turn token). None as for
+        :meth:`turn_ids`. Observations may hold content parts (images): the text then holds
+        the template's placeholder of each image."""
         if not observations:
             raise ValueError("turn_ids needs at least one observation message")
         role = str(observations[0]["role"])
         frame = self.frame(role, system=system)
         if frame is None:
             return None
-        if not self.use_template:
-            return self.encode_continuation("\n\n".join(str(m["content"]) for m in observations))
         only = observations[0]
         text: str | None
-        if len(observations) == 1 and frame.verbatim and set(only) <= {"role", "content"}:
+        plain = set(only) <= {"role", "content"} and isinstance(only["content"], str)
+        if len(observations) == 1 and frame.verbatim and plain:
             text = frame.close + frame.open + str(only["content"]) + frame.prompt
         else:
             text = self._rendered_turn(observations, system)
         if text is None:
             return None
-        return self.encode_continuation(text)[self._skip(completion_ids, frame) :]
+        return text, self._skip(completion_ids, frame)
 
     def end_of_turn_ids(self) -> tuple[int, ...]:
         """The ids that end an assistant turn in this template, through its first special

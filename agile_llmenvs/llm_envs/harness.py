@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from agile_llmenvs.core.images import SampleImages
 from agile_llmenvs.errors import EnvProtocolError, EnvStateError
 from agile_llmenvs.llm_envs.actions import (
     MALFORMED_FEEDBACK,
@@ -29,9 +31,21 @@ from agile_llmenvs.llm_envs.actions import (
 )
 from agile_llmenvs.llm_envs.episode import EpisodeData, StopReason, TokenSample, TurnResult
 from agile_llmenvs.llm_envs.framing import ChatFramer
-from agile_llmenvs.llm_envs.restart import TurnText, fit_restart
+from agile_llmenvs.llm_envs.image_framing import (
+    ImageFramer,
+    content_text,
+    message_images,
+    with_images,
+)
+from agile_llmenvs.llm_envs.restart import FittedRestart, TurnText, fit_restart
 from agile_llmenvs.llm_envs.tool_calls import TOOL_CALL_PARSERS
 from agile_llmenvs.transport.client import EnvClientProtocol, InProcessEnvClient, SupportsListTools
+from agile_llmenvs.transport.images import (
+    IMAGES_FIELD,
+    ImageObservationError,
+    decode_image,
+    reply_images,
+)
 from agile_llmenvs.transport.remote import RemoteEnvClient
 from agile_llmenvs.transport.types import EnvReply
 
@@ -74,7 +88,16 @@ class HarnessConfig:
             pass it restarts (a new training sample) from a prompt fitted within it (see
             :func:`~agile_llmenvs.llm_envs.restart.fit_restart`); a first prompt over it
             ends the episode at turn 0 (``PROMPT_LIMIT``).
-        segment_max_images: Accepted for manifests; images are not supported yet.
+        vision_processor: A vision-language model's processor (``AutoProcessor``): the
+            env's images are shown to the policy, framed by the processor's chat template
+            with each placeholder expanded as the processor does; each sample keeps its
+            images and their tensors (:attr:`TokenSample.images`). None: the policy is
+            text-only, and an observation with images fails its episode.
+        image_field: The observation field holding an observation's images (None: the
+            observation's ``images``, else ``info["images"]``).
+        segment_max_images: Images one context may hold: a turn that would pass it restarts
+            the context (a new sample) from a prompt showing that turn's images only; an
+            observation with more images than this fails its episode.
         restart_keep_turns: Latest turns kept verbatim in a restarted context.
         action_error_field: Observation (or info) field where the env reports an invalid
             action; its value is recorded in ``info["action_error"]``.
@@ -100,12 +123,14 @@ class HarnessConfig:
     eval_tasks: Sequence[Mapping[str, Any]] | None = None
     segment_prompt_tokens: int | None = None
     segment_max_images: int | None = None
+    vision_processor: Any = None
+    image_field: str | None = None
     restart_keep_turns: int = 0
     action_error_field: str = ""
     malformed_tool_call_reward: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_model_len", "segment_prompt_tokens"):
+        for name in ("max_turns", "max_model_len", "segment_prompt_tokens", "segment_max_images"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
@@ -131,6 +156,7 @@ class _Episode:
     mask: list[bool] = field(default_factory=list)
     turn_ids: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
+    images: SampleImages = field(default_factory=SampleImages)
     samples: list[TokenSample] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     texts: list[TurnText] = field(default_factory=list)
@@ -161,10 +187,15 @@ class _Episode:
         if self.ids:
             self.samples.append(
                 TokenSample(
-                    tuple(self.ids), tuple(self.mask), tuple(self.turn_ids), tuple(self.logps)
+                    tuple(self.ids),
+                    tuple(self.mask),
+                    tuple(self.turn_ids),
+                    tuple(self.logps),
+                    self.images if self.images.images else None,
                 )
             )
         self.ids, self.mask, self.turn_ids, self.logps = [], [], [], []
+        self.images = SampleImages()
 
 
 class RolloutHarness:
@@ -195,8 +226,6 @@ class RolloutHarness:
         config: HarnessConfig | None = None,
         **settings: Any,
     ) -> None:
-        if settings.pop("vision_processor", None) is not None:
-            raise NotImplementedError("vision_processor: image observations are not supported")
         self.config = replace(config or HarnessConfig(), max_turns=max_turns, **settings)
         self.tokenizer = tokenizer
         if isinstance(env_client, str) or (
@@ -206,13 +235,26 @@ class RolloutHarness:
                 env_client, timeout_s=self.config.timeout_s, action_field=self.config.action_field
             )
         self.client: Any = env_client
+        processor = self.config.vision_processor
+        template_kwargs = dict(self.config.chat_template_kwargs or {})
+        if processor is not None:
+            if not self.config.apply_chat_template:
+                raise ValueError(
+                    "vision_processor needs the chat template to place images: drop "
+                    "apply_chat_template=False"
+                )
+            if getattr(processor, "chat_template", None):
+                template_kwargs.setdefault("chat_template", processor.chat_template)
         self.framer = ChatFramer(
             tokenizer,
             strict=self.config.strict_chat_template_boundary,
             use_template=self.config.apply_chat_template,
-            chat_template_kwargs=self.config.chat_template_kwargs,
+            chat_template_kwargs=template_kwargs,
         )
-        self.player = ActionPlayer(self.framer, self._observation_text, self.config)
+        self.images = ImageFramer(processor, self.framer) if processor is not None else None
+        self.player = ActionPlayer(
+            self.framer, self._observation_text, self.config, images=self._observation_images
+        )
         self.async_calls = _ASYNC_CALLS
         self.eval = False
         self._episode: _Episode | None = None
@@ -247,6 +289,13 @@ class RolloutHarness:
     def context_ids(self) -> list[int]:
         """A copy of the current sample's ids: the prompt of the next generation."""
         return list(self._require_episode().ids)
+
+    @property
+    def context_images(self) -> SampleImages | None:
+        """The images the current sample shows (their tensors beside), None if none: what
+        the next generation must be given with :attr:`context_ids`."""
+        images = self._require_episode().images
+        return images if images.images else None
 
     def reset(self, *, seed: int | None = None, **task: Any) -> list[int]:
         """Start an episode and return the first prompt's ids.
@@ -289,11 +338,12 @@ class RolloutHarness:
                 raise IndexError(f"row_index {index} is outside the {len(rows)} tasks")
             task = {**rows[index], **task}
         reply = yield EnvCall("reset", kwargs={"seed": seed, **task})
-        episode = self._episode = _Episode(info=dict(reply.metadata))
+        episode = self._episode = _Episode(info=self._env_info(reply))
         episode.prompt_text = yield from self._first_prompt(reply)
         head = "\n\n".join(filter(None, [self.config.instruction, episode.prompt_text]))
-        episode.messages = [*self._system(), {"role": "user", "content": head}]
-        ids = self.framer.prompt(episode.messages)
+        content = with_images(head, self._observation_images(reply))
+        episode.messages = [*self._system(), {"role": "user", "content": content}]
+        ids, episode.images = self._render(episode.messages)
         episode.append(ids, turn=None)
         for name in ("max_model_len", "segment_prompt_tokens"):
             limit = getattr(self.config, name)
@@ -396,28 +446,25 @@ class RolloutHarness:
         info: dict[str, Any],
     ) -> TurnResult:
         episode = self._require_episode()
-        observation = "\n\n".join(str(m["content"]) for m in observations)
+        observation = "\n\n".join(content_text(m["content"]) for m in observations)
+        shown = message_images(observations)
         episode.texts.append(TurnText(episode.prompt_text, self.player.env_text(text)))
         episode.messages += [{"role": "assistant", "content": text}, *observations]
         episode.prompt_text = observation
         config = self.config
         system = bool(config.system_prompt)
-        appended = self.framer.turn_ids(completion_ids, observations, system=system)
+        appended = self._turn(completion_ids, observations, system)
         new_sample = appended is None
         # A template that rewrites earlier turns: the policy sees the template's re-rendering.
-        ids = self.framer.prompt(episode.messages) if appended is None else appended
+        ids, images = self._render(episode.messages) if appended is None else appended
         budget = config.segment_prompt_tokens
-        if budget is not None and len(ids) + (0 if new_sample else len(episode.ids)) > budget:
+        held = len(images) + (0 if new_sample else len(episode.images))
+        over_images = config.segment_max_images is not None and held > config.segment_max_images
+        held_ids = len(ids) + (0 if new_sample else len(episode.ids))
+        over_tokens = budget is not None and held_ids > budget
+        if over_tokens or over_images:
             new_sample = True
-            fitted = fit_restart(
-                episode.texts,
-                observation,
-                budget=budget,
-                render=self.framer.prompt,
-                keep_turns=config.restart_keep_turns,
-                instruction=config.instruction,
-                system_prompt=config.system_prompt,
-            )
+            fitted, images = self._restart(observation, shown)
             if not fitted.fits:
                 episode.info["segment_limit"] = {
                     "restart_prompt_tokens": len(fitted.ids),
@@ -435,7 +482,48 @@ class RolloutHarness:
         if new_sample:
             episode.close_sample()
         episode.append(ids, turn=None)
+        episode.images = images if new_sample else episode.images + images
         return TurnResult(list(ids), reward, False, info, new_sample)
+
+    def _turn(
+        self, completion_ids: Sequence[int], observations: list[dict[str, Any]], system: bool
+    ) -> tuple[list[int], SampleImages] | None:
+        """The ids (and images) appended after a completion; None: re-render the whole."""
+        if self.images is not None and message_images(observations):
+            return self.images.turn(completion_ids, observations, system=system)
+        ids = self.framer.turn_ids(completion_ids, observations, system=system)
+        return None if ids is None else (ids, SampleImages())
+
+    def _render(self, messages: list[dict[str, Any]]) -> tuple[list[int], SampleImages]:
+        """A prompt's ids and the images it shows (the processor's, when it shows any)."""
+        if self.images is not None and message_images(messages):
+            return self.images.prompt(messages)
+        return self.framer.prompt(messages), SampleImages()
+
+    def _restart(self, observation: str, shown: list[Any]) -> tuple[FittedRestart, SampleImages]:
+        """The restart prompt fitted within ``segment_prompt_tokens``; it shows the latest
+        observation's images (earlier turns stay as text)."""
+        config = self.config
+        rendered: dict[tuple[int, ...], SampleImages] = {}
+
+        def render(messages: list[dict[str, Any]]) -> list[int]:
+            last = messages[-1]
+            messages = [*messages[:-1], {**last, "content": with_images(last["content"], shown)}]
+            ids, images = self._render(messages)
+            rendered[tuple(ids)] = images
+            return ids
+
+        episode = self._require_episode()
+        fitted = fit_restart(
+            episode.texts,
+            observation,
+            budget=config.segment_prompt_tokens or sys.maxsize,
+            render=render,
+            keep_turns=config.restart_keep_turns,
+            instruction=config.instruction,
+            system_prompt=config.system_prompt,
+        )
+        return fitted, rendered[tuple(fitted.ids)]
 
     def _end(self, reason: StopReason, reward: float, info: dict[str, Any]) -> TurnResult:
         self._finish(reason)
@@ -477,6 +565,41 @@ class RolloutHarness:
                 )
             return str(reply.observation[config.observation_field])
         return reply.prompt
+
+    def _observation_images(self, reply: EnvReply) -> list[Any]:
+        """The reply's images, decoded, for the policy to see (none: an empty list).
+
+        Raises:
+            ImageObservationError: an image does not decode, there are more than
+                ``segment_max_images``, or the policy is text-only (no ``vision_processor``).
+        """
+        raw = reply_images(reply.observation, reply.metadata, self.config.image_field)
+        if not raw:
+            return []
+        count = f"{len(raw)} image{'s' if len(raw) > 1 else ''}"
+        if self.images is None:
+            raise ImageObservationError(
+                f"the env sent {count} but the policy is text-only (the harness has no "
+                "vision_processor): use a vision-language model (its processor as "
+                "vision_processor), or an env that sends text only"
+            )
+        limit = self.config.segment_max_images
+        if limit is not None and len(raw) > limit:
+            raise ImageObservationError(
+                f"the env sent {count} in one observation, more than segment_max_images="
+                f"{limit}: raise segment_max_images, or send fewer images per observation"
+            )
+        return [
+            decode_image(value, where=f"observation image {i + 1} of {len(raw)}")
+            for i, value in enumerate(raw)
+        ]
+
+    def _env_info(self, reply: EnvReply) -> dict[str, Any]:
+        """The env's info without the images it carries (they go to the policy)."""
+        info = dict(reply.metadata)
+        if self.config.image_field is None:
+            info.pop(IMAGES_FIELD, None)
+        return info
 
     def _system(self) -> list[dict[str, Any]]:
         prompt = self.config.system_prompt

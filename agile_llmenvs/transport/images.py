@@ -63,10 +63,14 @@ def decode_image(value: Any, *, where: str = "image") -> Any:
         try:
             with Image.open(io.BytesIO(bytes(value))) as image:
                 return image.convert("RGB")
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
+        except UnidentifiedImageError as exc:  # PIL's text adds only a BytesIO's address
             raise ImageObservationError(
                 f"{where} could not be decoded ({len(value)} bytes that are no image format "
-                f"PIL reads: {exc}); {_HOW}"
+                f"PIL reads: cannot identify image file); {_HOW}"
+            ) from exc
+        except (OSError, ValueError) as exc:  # a known format, but damaged
+            raise ImageObservationError(
+                f"{where} could not be decoded ({len(value)} bytes: {exc}); {_HOW}"
             ) from exc
     if hasattr(value, "__array__"):
         import numpy as np

@@ -207,6 +207,7 @@ def observation_frame(observation: BaseModel) -> str:
             question=o.question,
             answer=o.answer,
             metadata=o.metadata,
+            images=o.images,
         )
     fields = observation.model_dump(mode="json", exclude={"reward", "done"})
     data: dict[str, Any] = {
@@ -228,8 +229,12 @@ def text_observation_frame(
     question: Any,
     answer: Any,
     metadata: dict[str, Any],
+    images: list[str] | None = None,
 ) -> str:
     """The ``observation`` reply of a :class:`TextObservation` with these (JSON) fields.
+
+    ``images`` (base64 PNGs) travel only when there are some, so a text env's frames stay as
+    they were.
 
     Raises:
         WireError: a non-finite number (``reward`` NaN, say) in them: JSON has none.
@@ -241,6 +246,8 @@ def text_observation_frame(
         "question": question,
         "answer": answer,
     }
+    if images:
+        fields["images"] = images
     data: dict[str, Any] = {"observation": fields, "reward": reward, "done": done}
     if metadata:
         data["metadata"] = metadata

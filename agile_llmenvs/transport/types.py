@@ -29,13 +29,17 @@ class TextObservation(Observation):
     ``truncated`` is declared because the wire has only ``done`` (no terminated/truncated
     split), so it can travel and rebuild gymnasium's 5-tuple. On reset the prompt is shown to
     the policy and the labels stay unset; on the terminal step ``question`` / ``answer`` are
-    set so rubrics can score.
+    set so rubrics can score. ``images`` are what the env shows the policy beside the text
+    (its ``info["images"]``), each a base64 PNG.
     """
 
     prompt: str = Field("", description="Text shown to the policy next.")
     truncated: bool = Field(False, description="The episode ended by a limit, not by the task.")
     question: Any = Field(None, description="The task's question (terminal step only).")
     answer: Any = Field(None, description="The task's reference answer (terminal step only).")
+    images: list[str] = Field(
+        default_factory=list, description="Images shown to the policy, each a base64 PNG."
+    )
 
 
 class TextState(State):
@@ -54,7 +58,8 @@ class EnvReply:
     """One env answer as every client returns it, in-process or remote.
 
     Attributes:
-        observation: The observation's fields (``prompt``, ``truncated``, ``question``, ...).
+        observation: The observation's fields (``prompt``, ``truncated``, ``question``, ...;
+            a remote env's images are its ``images``).
         reward: The step's reward (``None`` after reset).
         done: Whether the episode ended.
         metadata: The env's ``info``.

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from agile_llmenvs.transport._openenv import Environment, EnvironmentMetadata
+from agile_llmenvs.transport.images import IMAGES_FIELD, encode_image, reply_images
 from agile_llmenvs.transport.protocol import text_observation_frame
 from agile_llmenvs.transport.types import TextAction, TextObservation, TextState
 
@@ -43,9 +44,11 @@ class OpenEnvWrapper(Environment):
     """Adapt a plain-text env to OpenEnv's typed ``Environment`` ABC.
 
     Translates between the env's string ``reset``/``step`` and OpenEnv's typed action,
-    observation and state: env ``info`` travels in observation metadata, ``dataset_size``,
-    ``tools`` and ``max_turns`` surface on the state, and on the terminal step the ``question``
-    / ``answer`` the env put in ``info`` are set on the observation so rubrics can score.
+    observation and state: env ``info`` travels in observation metadata, but for its images
+    (``info["images"]``), which become the observation's ``images`` as base64 PNGs;
+    ``dataset_size``, ``tools`` and ``max_turns`` surface on the state, and on the terminal
+    step the ``question`` / ``answer`` the env put in ``info`` are set on the observation so
+    rubrics can score.
 
     Args:
         inner: The local text env to host.
@@ -67,23 +70,33 @@ class OpenEnvWrapper(Environment):
     def reset(
         self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any
     ) -> TextObservation:
-        """Start an episode of the inner env; reset kwargs are the task (e.g. ``row_index``)."""
-        return TextObservation.model_construct(**self.reset_fields(seed, episode_id, **kwargs))
+        """Start an episode of the inner env; reset kwargs are the task (e.g. ``row_index``).
+
+        Raises:
+            ImageObservationError: an image in ``info["images"]`` does not encode.
+        """
+        fields = _on_the_wire(self.reset_fields(seed, episode_id, **kwargs))
+        return TextObservation.model_construct(**fields)
 
     def reset_fields(
         self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any
     ) -> dict[str, Any]:
-        """:meth:`reset`, as the observation's fields (JSON values) without the model."""
+        """:meth:`reset`, as the observation's fields without the model: JSON values, but for
+        ``info["images"]``, left in the metadata as the env gave them (see :meth:`step_fields`)."""
         prompt, info = self.inner.reset(seed=seed, **_accepted(self.inner.reset, kwargs))
         self._episode_id, self._steps = episode_id, 0
-        return {"prompt": str(prompt), "metadata": jsonable(info or {})}
+        return {"prompt": str(prompt), "metadata": _metadata(info)}
 
     def step(
         self, action: TextAction, timeout_s: float | None = None, **kwargs: Any
     ) -> TextObservation:
-        """Send the action's text to the inner env and type its 5-tuple as an observation."""
+        """Send the action's text to the inner env and type its 5-tuple as an observation.
+
+        Raises:
+            ImageObservationError: an image in ``info["images"]`` does not encode.
+        """
         # every field is coerced already, so skip re-validating it: this is the hot path
-        return TextObservation.model_construct(**self.step_fields(action.message))
+        return TextObservation.model_construct(**_on_the_wire(self.step_fields(action.message)))
 
     def takes_text_directly(self) -> bool:
         """Whether :meth:`step_fields` / :meth:`step_frame` are this env's steps: true unless
@@ -96,16 +109,24 @@ class OpenEnvWrapper(Environment):
 
         The same bytes as ``observation_frame(step(TextAction(message=text)))``, without
         building either model: the server's path for a plain ``{"message": ...}`` step.
+
+        Raises:
+            ImageObservationError: an image in ``info["images"]`` does not encode.
         """
-        return text_observation_frame(**self.step_fields(text))
+        return text_observation_frame(**_on_the_wire(self.step_fields(text)))
 
     def step_fields(self, text: str) -> dict[str, Any]:
-        """:meth:`step` with ``text``, as the observation's fields (JSON values) without the
-        action or observation model (the hot paths of the server and the in-process client)."""
+        """:meth:`step` with ``text``, as the observation's fields without the action or
+        observation model (the hot paths of the server and the in-process client).
+
+        The fields are JSON values, but for ``info["images"]``: they stay in the metadata as
+        the env gave them, which is how the in-process client hands them on; the wire's forms
+        (:meth:`step`, :meth:`step_frame`) encode them into the observation's ``images``.
+        """
         prompt, reward, terminated, truncated, info = self.inner.step(text)
         self._steps += 1
         done = bool(terminated or truncated)
-        info = jsonable(info or {})
+        info = _metadata(info)
         return {
             "prompt": str(prompt),
             "reward": float(reward),
@@ -147,6 +168,37 @@ class OpenEnvWrapper(Environment):
             close = getattr(self.inner, "close", None)  # some registries' envs have none
             if callable(close):
                 close()
+
+
+def _metadata(info: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``info`` as JSON values, but for its images, kept as they are: a numpy image made a
+    nested list would be no image any more."""
+    if not info:
+        return {}
+    if IMAGES_FIELD not in info:
+        return jsonable(info)
+    return {str(k): v if k == IMAGES_FIELD else jsonable(v) for k, v in info.items()}
+
+
+def _on_the_wire(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` as the wire carries them: the metadata's images moved into ``images``, each
+    a base64 PNG (a single image value counts as one).
+
+    Raises:
+        ImageObservationError: an image does not encode; the message names which.
+    """
+    metadata = fields["metadata"]
+    if IMAGES_FIELD not in metadata:
+        return fields
+    raw = metadata[IMAGES_FIELD]
+    values = reply_images({}, metadata)
+    single = len(values) == 1 and values[0] is raw
+    fields["images"] = [
+        encode_image(value, where="info['images']" if single else f"info['images'][{i}]")
+        for i, value in enumerate(values)
+    ]
+    fields["metadata"] = {k: v for k, v in metadata.items() if k != IMAGES_FIELD}
+    return fields
 
 
 def _accepted(method: Any, kwargs: dict[str, Any]) -> dict[str, Any]:

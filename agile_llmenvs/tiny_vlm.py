@@ -70,7 +70,7 @@ VLM_CHAT_TEMPLATE = (
 def _processor_class() -> type:
     from transformers import Qwen2VLProcessor
 
-    class ImageQwen2VLProcessor(Qwen2VLProcessor):  # type: ignore[misc]
+    class ImageQwen2VLProcessor(Qwen2VLProcessor):
         """Qwen2-VL's processor for images only: no video processor, so no ``torchvision``."""
 
         @classmethod

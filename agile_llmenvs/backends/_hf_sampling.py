@@ -31,10 +31,21 @@ class SampledLogprobs(LogitsProcessor):
         temperature: Scores are divided by it; ``1.0`` (greedy decoding) leaves them alone.
         top_k: Keep the ``top_k`` likeliest tokens; ``None`` keeps all.
         top_p: Keep the smallest set of tokens holding this much mass; ``1.0`` keeps all.
+        forbidden: Ids never sampled (a vision-language model's image placeholders, which
+            only the processor places). Like the truncation, this is not in the recorded
+            log-probs: they stay the full vocabulary's, what the trainer computes.
     """
 
-    def __init__(self, *, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0):
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+        forbidden: tuple[int, ...] = (),
+    ):
         self._temperature = temperature
+        self._forbidden = list(forbidden)
         # The order (and min_tokens_to_keep=1) of transformers' own warpers when sampling.
         self._truncate = LogitsProcessorList()
         if top_k is not None:
@@ -59,7 +70,10 @@ class SampledLogprobs(LogitsProcessor):
         scaled_BV = scores / self._temperature  # as TemperatureLogitsWarper computes it
         self._pending_BV = torch.log_softmax(scaled_BV.float(), dim=-1)
         self._pending_position = input_ids.shape[1]
-        return self._truncate(input_ids, scaled_BV)
+        shaped_BV = self._truncate(input_ids, scaled_BV)
+        if self._forbidden:
+            shaped_BV[:, self._forbidden] = -float("inf")
+        return shaped_BV
 
     def logprobs(self, sequences: torch.Tensor, prompt_width: int) -> torch.Tensor:
         """The recorded log-prob of every generated token.

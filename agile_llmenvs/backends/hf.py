@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from agile_llmenvs.backends.local import LocalChatBackend, cut_at_stop
 from agile_llmenvs.backends.types import Generation, SamplingParams
+from agile_llmenvs.core.images import SampleImages, image_model_inputs, prompt_images
 from agile_llmenvs.errors import ManifestError
 
 if TYPE_CHECKING:
@@ -108,14 +109,18 @@ class HFBackend(LocalChatBackend):
     """
 
     def __init__(self, model_path: str | os.PathLike[str], *, config: HFConfig | None = None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+        from agile_llmenvs.tiny_vlm import is_vision_model
 
         check_model_dir(model_path)
         config = config or HFConfig()
         tokenizer = AutoTokenizer.from_pretrained(
             model_path, trust_remote_code=config.trust_remote_code
         )
-        model: Any = _load_model(AutoModelForCausalLM, model_path, config)
+        vision = is_vision_model(model_path)
+        auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model: Any = _load_model(auto_class, model_path, config)
         self._init(model.to(config.device).eval(), tokenizer)
 
     @classmethod
@@ -127,6 +132,8 @@ class HFBackend(LocalChatBackend):
 
     def _init(self, model: Any, tokenizer: Any) -> None:
         self.model = model
+        self.supports_images = _is_vision_model(model)
+        self._placeholder_ids = _placeholder_ids(model) if self.supports_images else ()
         self._tokenizer = tokenizer
         eos = model.generation_config.eos_token_id
         eos = eos if eos is not None else tokenizer.eos_token_id
@@ -140,13 +147,19 @@ class HFBackend(LocalChatBackend):
         return self._tokenizer
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        images: Sequence[SampleImages | None] | None = None,
     ) -> list[Generation]:
         """Sample one continuation per prompt, all rows in one ``model.generate`` call.
 
         Args:
             prompts: Token ids of each prompt (unpadded).
             params: Sampling parameters; ``seed`` makes sampling reproducible.
+            images: The images each prompt shows (a vision-language model's); None: those
+                of the prompts that are :class:`~agile_llmenvs.core.images.ImagePrompt`.
 
         Returns:
             One :class:`Generation` per prompt, in order.
@@ -157,7 +170,14 @@ class HFBackend(LocalChatBackend):
         if not prompts:
             return []
         input_ids, attention_mask = self._left_pad(prompts)
-        sampler = _sampler(params)
+        shown = prompt_images(prompts) if images is None else list(images)
+        image_inputs = image_model_inputs(shown, input_ids, self.model)
+        if image_inputs and not self.supports_images:
+            raise ValueError(
+                f"{type(self.model).__name__} is a text-only model but prompts show images: "
+                "use a vision-language model, or an env that sends text only"
+            )
+        sampler = _sampler(params, self._placeholder_ids)
         with torch.random.fork_rng(devices=[]), self._no_grad():
             if params.seed is not None:
                 torch.manual_seed(params.seed)
@@ -167,6 +187,7 @@ class HFBackend(LocalChatBackend):
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 logits_processor=LogitsProcessorList([sampler]),
+                **image_inputs,
                 **self._generate_kwargs(params),
             )
             new_ids = sequences[:, input_ids.shape[1] :]
@@ -246,10 +267,34 @@ def _load_model(auto_class: Any, model_path: str | os.PathLike[str], config: HFC
         return PeftModel.from_pretrained(base, model_path).merge_and_unload()
 
 
-def _sampler(params: SamplingParams) -> SampledLogprobs:
-    """The logits processor that samples as ``params`` ask and records the log-probs."""
+def _is_vision_model(model: Any) -> bool:
+    """Whether ``model`` takes images (a vision-language model's config has a vision part)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return getattr(getattr(model, "config", None), "vision_config", None) is not None
+
+
+def _sampler(params: SamplingParams, forbidden: tuple[int, ...] = ()) -> SampledLogprobs:
+    """The logits processor that samples as ``params`` ask (never a ``forbidden`` id) and
+    records the log-probs."""
     from agile_llmenvs.backends._hf_sampling import SampledLogprobs
 
     if params.greedy:  # argmax needs no shaping; its log-probs are at temperature 1
-        return SampledLogprobs()
-    return SampledLogprobs(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        return SampledLogprobs(forbidden=forbidden)
+    return SampledLogprobs(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        forbidden=forbidden,
+    )
+
+
+def _placeholder_ids(model: Any) -> tuple[int, ...]:
+    """A vision-language model's image and video placeholder ids: only the processor puts
+    them in a sequence, each standing for an image's features."""
+    while hasattr(model, "module"):
+        model = model.module
+    config = getattr(model, "config", None)
+    names = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+    ids = {getattr(config, name, None) for name in names}
+    return tuple(sorted(int(i) for i in ids if i is not None))

@@ -12,7 +12,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TOKEN_ALIGNED_KEYS", "SampleImages", "image_model_inputs"]
+__all__ = [
+    "TOKEN_ALIGNED_KEYS",
+    "ImagePrompt",
+    "SampleImages",
+    "image_model_inputs",
+    "prompt_images",
+]
 
 #: Processor outputs laid along the tokens, not the images: rebuilt for each batch.
 TOKEN_ALIGNED_KEYS = frozenset(
@@ -49,6 +55,24 @@ class SampleImages:
             _concat([self.tensors, other.tensors]),
             self.placeholder_tokens + other.placeholder_tokens,
         )
+
+
+class ImagePrompt(list[int]):
+    """A prompt's ids that show images: the ids (a ``list[int]``), with :attr:`images` beside.
+
+    A collector hands these to its policy for contexts that show images, so a policy that
+    reads only ids still gets ids, and one that can look (:class:`HFBackend` over a
+    vision-language model) finds the pixels with them.
+    """
+
+    def __init__(self, ids: Sequence[int], images: SampleImages) -> None:
+        super().__init__(ids)
+        self.images = images
+
+
+def prompt_images(prompts: Sequence[Sequence[int]]) -> list[SampleImages | None]:
+    """Each prompt's images (None for a prompt of ids alone)."""
+    return [getattr(prompt, "images", None) for prompt in prompts]
 
 
 def image_model_inputs(

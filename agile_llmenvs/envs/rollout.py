@@ -31,6 +31,7 @@ def make_rollout_env_factory(
     seed: int | None = None,
     allow_install: bool = False,
     split: Literal["train", "test"] = "train",
+    vision_processor: Any = None,
 ) -> tuple[HarnessFactory, int]:
     """Build a factory that creates fresh :class:`RolloutHarness` instances.
 
@@ -55,6 +56,8 @@ def make_rollout_env_factory(
         allow_install: Install missing ``env_packages`` on this first build.
         split: Which rows a dataset-backed env plays: ``train``, or the held-out ``test``
             split (``train_test_split``, or the source's own); other sources have one.
+        vision_processor: A vision-language policy's processor: the env's images are shown
+            to it (see :class:`~agile_llmenvs.llm_envs.HarnessConfig`).
 
     Returns:
         A zero-argument callable that creates a harness, and the rollout's turn budget.
@@ -70,6 +73,8 @@ def make_rollout_env_factory(
         raise EnvBuildError(f"{spec.label!r} is a dataset env: build it with make_llm_env")
     settings = spec_settings(spec)
     settings.pop("max_turns", None)
+    if vision_processor is not None:
+        settings["vision_processor"] = vision_processor
     if max_model_len is not None:
         settings["max_model_len"] = max(1, max_model_len - (max_output_tokens or 0))
     if spec.source == "dataset":

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from agile_llmenvs.core.images import ImagePrompt
 from agile_llmenvs.errors import SlotTimeoutError, StaleEpisodeError
 from agile_llmenvs.llm_envs.continuous import ContinuousRollouts
 from agile_llmenvs.llm_envs.episode import EpisodeData, TurnResult
@@ -199,8 +200,9 @@ class RolloutCollector:
         ]
 
     def contexts(self) -> dict[int, list[int]]:
-        """Each live slot's context: the prompt of its next generation."""
-        return {i: self._harness(i).context_ids for i in self.live_slots}
+        """Each live slot's context: the prompt of its next generation (an
+        :class:`~agile_llmenvs.core.images.ImagePrompt` when it shows images)."""
+        return {i: _context(self._harness(i)) for i in self.live_slots}
 
     def step(
         self,
@@ -491,6 +493,12 @@ class RolloutCollector:
 
 class _RemoteCalls:
     """Stands for every env reached over the wire: its calls always run on threads."""
+
+
+def _context(harness: RolloutHarness) -> list[int]:
+    """The harness's next prompt, with the images it shows."""
+    images = harness.context_images
+    return harness.context_ids if images is None else ImagePrompt(harness.context_ids, images)
 
 
 def _close_quietly(harness: RolloutHarness) -> None:

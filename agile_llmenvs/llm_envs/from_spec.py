@@ -46,6 +46,7 @@ def spec_settings(spec: LLMEnvSpec) -> dict[str, Any]:
         "chat_template_kwargs": spec.chat_template_kwargs or None,
         "segment_prompt_tokens": spec.segment_prompt_tokens,
         "segment_max_images": spec.segment_max_images,
+        "image_field": spec.image_field,
         "restart_keep_turns": spec.restart_keep_turns,
         "action_error_field": spec.action_error_field,
     }

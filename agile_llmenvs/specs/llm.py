@@ -117,7 +117,16 @@ class LLMEnvSpec(BaseModel):
         "Bound on every prompt the policy sees: a longer context restarts as a new training "
         "segment from a prompt fitted within it."
     )
-    segment_max_images: PositiveInt = _d("Images per segment before a new one starts.")
+    segment_max_images: PositiveInt = _d(
+        "Images one context may hold (a vision-language policy's): a turn that would pass it "
+        "restarts the context from a prompt showing that turn's images."
+    )
+    image_field: str | None = Field(
+        None,
+        min_length=1,
+        description="Observation field holding an observation's images (unset: the "
+        "observation's `images`, else info['images']).",
+    )
     restart_keep_turns: int = Field(
         0, ge=0, description="Latest turns kept when the context is restarted."
     )

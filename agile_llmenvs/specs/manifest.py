@@ -59,8 +59,13 @@ class ModelSpec(BaseModel):
     path: str | None = Field(
         None,
         min_length=1,
-        description="Local model directory (Hugging Face layout). Unset: the built-in tiny "
-        "model, built offline on first use.",
+        description="Local model directory (Hugging Face layout). Unset: the built-in model "
+        "`builtin` names, built offline on first use.",
+    )
+    builtin: Literal["tiny", "tiny_vlm"] = Field(
+        "tiny",
+        description="The built-in model used when `path` is unset: `tiny` (a text model) or "
+        "`tiny_vlm` (a Qwen2-VL-style vision-language model that reads images).",
     )
     tokenizer_path: str | None = Field(
         None, min_length=1, description="Tokenizer directory, if not the model's."

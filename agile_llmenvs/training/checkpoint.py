@@ -71,7 +71,7 @@ def save_checkpoint(
     accelerator: Any,
     model: Any,
     optimizer: torch.optim.Optimizer,
-    tokenizer: Any,
+    tokenizer: Any,  # or a vision-language model's processor, which saves its tokenizer too
     rank_state: Mapping[str, Any],
     scheduler: Any = None,
     keep: int | None = None,

@@ -20,10 +20,12 @@ from agile_llmenvs.training.sharding import is_sharded, shard_policy
 __all__ = [
     "TrainResult",
     "load_policy",
+    "model_dir",
     "prepare_policy",
     "reference_model",
     "seed_everything",
     "training_spec",
+    "vision_processor",
 ]
 
 
@@ -67,18 +69,37 @@ def training_spec(manifest: RunManifest) -> TrainingSpec:
     return manifest.training
 
 
-def load_policy(spec: ModelSpec) -> tuple[Any, Any]:
-    """Load the model (``spec.path``, else the built-in tiny model) and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def model_dir(spec: ModelSpec) -> str:
+    """The policy's directory: ``spec.path``, else the built-in model (built if missing)."""
     from agile_llmenvs.backends.hf import check_model_dir
     from agile_llmenvs.tiny_model import ensure_tiny_model
+    from agile_llmenvs.tiny_vlm import ensure_tiny_vlm
 
-    path = str(check_model_dir(spec.path, field="model.path")) if spec.path else ""
-    path = path or str(ensure_tiny_model())
+    if spec.path:
+        return str(check_model_dir(spec.path, field="model.path"))
+    return str(ensure_tiny_vlm() if spec.builtin == "tiny_vlm" else ensure_tiny_model())
+
+
+def load_policy(spec: ModelSpec) -> tuple[Any, Any]:
+    """Load the model (``spec.path``, else the built-in model) and its tokenizer; a
+    vision-language model loads as one (``AutoModelForImageTextToText``)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    from agile_llmenvs.tiny_vlm import is_vision_model
+
+    path = model_dir(spec)
     tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path or path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, spec.dtype))
+    auto_class = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
+    model = auto_class.from_pretrained(path, dtype=getattr(torch, spec.dtype))
     return model, tokenizer
+
+
+def vision_processor(spec: ModelSpec) -> Any:
+    """The processor of a vision-language policy (None for a text model)."""
+    from agile_llmenvs.tiny_vlm import is_vision_model, load_processor
+
+    path = model_dir(spec)
+    return load_processor(path) if is_vision_model(path) else None
 
 
 def prepare_policy(

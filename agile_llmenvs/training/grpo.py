@@ -309,7 +309,7 @@ def _save(output_dir: Path, step: int, run: GRPORun) -> Path:
         accelerator=run.accelerator,
         model=run.model,
         optimizer=run.learner.optimizer,
-        tokenizer=run.tokenizer,
+        tokenizer=run.processor or run.tokenizer,
         rank_state={"collector": collector_state},
         scheduler=run.learner.scheduler,
         keep=run.keep_checkpoints,

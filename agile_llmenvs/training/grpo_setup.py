@@ -20,7 +20,12 @@ from agile_llmenvs.llm_envs.collector import RolloutCollector
 from agile_llmenvs.specs import LLMEnvSpec, RunManifest
 from agile_llmenvs.specs.manifest import VLLMGenerationSpec
 from agile_llmenvs.training.checkpoint import load_checkpoint
-from agile_llmenvs.training.common import prepare_policy, reference_model, training_spec
+from agile_llmenvs.training.common import (
+    prepare_policy,
+    reference_model,
+    training_spec,
+    vision_processor,
+)
 from agile_llmenvs.training.grpo_update import UpdateSettings
 from agile_llmenvs.training.held_out import HeldOutEval
 from agile_llmenvs.training.learner import Learner
@@ -47,6 +52,7 @@ class GRPORun:
     server: ServerRollouts | None = None
     keep_checkpoints: int | None = None
     held_out: HeldOutEval | None = None
+    processor: Any = None  # a vision-language policy's, saved with its checkpoints
 
     @property
     def accelerator(self) -> Any:
@@ -94,7 +100,8 @@ def setup_run(manifest: RunManifest, output_dir: Path, resume: bool) -> GRPORun:
     accelerator = learner.accelerator
     policy = accelerator.unwrap_model(learner.model)
     reference = reference_model(policy, accelerator.device) if config.beta else None
-    max_model_len = manifest.model.max_model_len or policy.config.max_position_embeddings
+    text_config = policy.config.get_text_config()
+    max_model_len = manifest.model.max_model_len or text_config.max_position_embeddings
     engine = None
     if config.generation_backend == "vllm":
         engine = PolicyVLLMEngine(
@@ -121,7 +128,10 @@ def setup_run(manifest: RunManifest, output_dir: Path, resume: bool) -> GRPORun:
         )
     collector = server = None
     try:
-        collector, max_turns = _make_collector(manifest, tokenizer, max_model_len, accelerator)
+        processor = vision_processor(manifest.model)
+        collector, max_turns = _make_collector(
+            manifest, tokenizer, processor, max_model_len, accelerator
+        )
         start_step = 0
         if resume:
             start_step, rank_state = load_checkpoint(
@@ -162,6 +172,7 @@ def setup_run(manifest: RunManifest, output_dir: Path, resume: bool) -> GRPORun:
         server,
         keep_checkpoints=config.keep_checkpoints,
         held_out=held_out,
+        processor=processor,
     )
 
 
@@ -214,20 +225,27 @@ def _update_settings(manifest: RunManifest, max_turns: int) -> UpdateSettings:
 
 
 def _make_collector(
-    manifest: RunManifest, tokenizer: Any, max_model_len: int, accelerator: Any
+    manifest: RunManifest, tokenizer: Any, processor: Any, max_model_len: int, accelerator: Any
 ) -> tuple[RolloutCollector, int]:
-    """This rank's collector over the manifest's rollout env, and the env's turn budget."""
+    """This rank's collector over the manifest's rollout env, and the env's turn budget
+    (``processor``: a vision-language policy's, which the envs' images are shown to)."""
     from agile_llmenvs.envs import make_rollout_env_factory
 
     config = training_spec(manifest)
     env_spec = manifest.env
     assert isinstance(env_spec, LLMEnvSpec)  # the manifest validator pairs grpo with rollout
+    if processor is not None and config.generation_backend != "hf":
+        raise AgileLLMEnvsError(
+            f"training.generation_backend {config.generation_backend!r} generates from ids "
+            "alone, but the policy is a vision-language model: use generation_backend: hf"
+        )
     env_factory, max_turns = make_rollout_env_factory(
         env_spec,
         tokenizer,
         max_model_len=max_model_len,
         max_output_tokens=config.max_new_tokens,
         seed=manifest.seed,
+        vision_processor=processor,
     )
     collector = RolloutCollector(
         env_factory,

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from agile_llmenvs.core.images import image_model_inputs
 from agile_llmenvs.training.learner import Learner, micro_batch_slices, reduce_sum
 from agile_llmenvs.training.logprobs import ScoredLogps, scored_token_logps
 from agile_llmenvs.training.losses import (
@@ -200,6 +201,7 @@ def _scored(
         temperature=settings.temperature,
         chunk_tokens=settings.chunk_tokens,
         with_entropy=with_entropy,
+        model_inputs=image_model_inputs(micro.images_B, micro.input_ids_BT, model),
     )
 
 

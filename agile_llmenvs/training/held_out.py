@@ -55,6 +55,7 @@ class HeldOutEval:
     ) -> HeldOutEval | None:
         """The run's evaluation, or ``None`` when ``training.eval_every`` is 0."""
         from agile_llmenvs.envs import make_rollout_env_factory
+        from agile_llmenvs.training.common import vision_processor
 
         config = manifest.training
         assert config is not None
@@ -69,6 +70,7 @@ class HeldOutEval:
             max_output_tokens=config.max_new_tokens,
             seed=manifest.seed,
             split="test" if spec.source == "dataset" else "train",
+            vision_processor=vision_processor(manifest.model),
         )
         world = accelerator.num_processes
         tasks = -(-config.eval_tasks // world) * world  # a multiple of the processes

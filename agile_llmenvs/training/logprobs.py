@@ -11,6 +11,7 @@ chunk's logits are recomputed in the backward pass instead of kept, so the peak 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ def scored_token_logps(
     temperature: float = 1.0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     with_entropy: bool = False,
+    model_inputs: Mapping[str, Any] | None = None,
 ) -> ScoredLogps:
     """Log-probability of each scored next token under ``model``.
 
@@ -58,6 +60,8 @@ def scored_token_logps(
         temperature: Logits are divided by it before the softmax (the sampler's temperature).
         chunk_tokens: Scored positions whose logits are computed at once.
         with_entropy: Also return each scored position's entropy (no gradient).
+        model_inputs: Further inputs of the model's forward: a vision-language model's
+            image inputs (:func:`~agile_llmenvs.core.images.image_model_inputs`).
     """
     hf_model = _unwrap(model)
     output_layer = hf_model.get_output_embeddings()
@@ -87,6 +91,7 @@ def scored_token_logps(
             attention_mask=attention_mask_BT,
             logits_to_keep=1,
             use_cache=False,
+            **(model_inputs or {}),
         )
     finally:
         handle.remove()

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from agile_llmenvs.core.images import SampleImages
 from agile_llmenvs.llm_envs.episode import TokenSample
 from agile_llmenvs.llm_envs.trajectory import RolloutBatch
 
@@ -28,6 +29,8 @@ class PolicyBatch:
         sampling_logps_BT: ``[B, T - 1]``; the sampler's log-prob of that token (0 off the
             mask; NaN where the sampler gave none).
         advantages_B: The advantage of the episode each row belongs to.
+        images_B: The images each row shows (a vision-language policy's), with their
+            tensors; empty when no row shows any.
     """
 
     input_ids_BT: torch.Tensor
@@ -35,6 +38,7 @@ class PolicyBatch:
     action_mask_BT: torch.Tensor
     sampling_logps_BT: torch.Tensor
     advantages_B: torch.Tensor
+    images_B: tuple[SampleImages | None, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -43,7 +47,8 @@ class PolicyBatch:
 
     def to(self, device: torch.device | str) -> PolicyBatch:
         """The same batch on ``device``."""
-        return PolicyBatch(*(tensor.to(device) for tensor in self._tensors()))
+        ids, attention, actions, sampling, advantages = (t.to(device) for t in self._tensors())
+        return PolicyBatch(ids, attention, actions, sampling, advantages, self.images_B)
 
     def select(self, rows: slice) -> PolicyBatch:
         """``rows`` of the batch, cut to the longest of them."""
@@ -54,6 +59,7 @@ class PolicyBatch:
             self.action_mask_BT[rows, : width - 1],
             self.sampling_logps_BT[rows, : width - 1],
             self.advantages_B[rows],
+            self.images_B[rows],
         )
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
@@ -107,7 +113,11 @@ def build_policy_batch(
     # each row's sampled tokens, in order, are its mask's True positions, rows in order
     sampling_logps[action_mask] = torch.from_numpy(sampled)
     advantages_B = torch.tensor(row_advantages, dtype=torch.float32)
-    return PolicyBatch(input_ids, attention_mask, action_mask, sampling_logps, advantages_B)
+    images = tuple(sample.images for sample in samples)
+    images_B = images if any(images) else ()
+    return PolicyBatch(
+        input_ids, attention_mask, action_mask, sampling_logps, advantages_B, images_B
+    )
 
 
 def _sampled_logps(sample: TokenSample) -> Sequence[float]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from agile_llmenvs.backends.types import Generation, SamplingParams
+from agile_llmenvs.core.images import prompt_images
 from agile_llmenvs.training.sharding import GenerationSync
 
 __all__ = ["Sampler"]
@@ -44,6 +45,11 @@ class Sampler:
         self, contexts: list[list[int]]
     ) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
         start = time.perf_counter()
+        if not getattr(self.backend, "supports_images", False) and any(prompt_images(contexts)):
+            raise ValueError(
+                f"{type(self.backend).__name__} generates from ids alone but these prompts show "
+                "images: generate with the HF backend (training.generation_backend: hf)"
+            )
         if self.sync is not None:
             self.sync.before_generate()
         seed = None if self.params.seed is None else self.params.seed + self.calls

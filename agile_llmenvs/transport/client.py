@@ -197,13 +197,16 @@ def _text_reply(fields: dict[str, Any]) -> EnvReply:
     """The reply to an observation with these :class:`TextObservation` field values (reward,
     done and the rest at their defaults when absent, as after a reset)."""
     reward = fields.get("reward")
+    observation = {
+        "prompt": fields["prompt"],
+        "truncated": fields.get("truncated", False),
+        "question": fields.get("question"),
+        "answer": fields.get("answer"),
+    }
+    if fields.get("images"):  # as on the wire: present only when there are images
+        observation["images"] = fields["images"]
     return EnvReply(
-        {
-            "prompt": fields["prompt"],
-            "truncated": fields.get("truncated", False),
-            "question": fields.get("question"),
-            "answer": fields.get("answer"),
-        },
+        observation,
         None if reward is None else float(reward),
         bool(fields.get("done", False)),
         dict(fields["metadata"]),

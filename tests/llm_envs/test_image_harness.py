@@ -64,7 +64,9 @@ def test_first_prompt_is_the_processors_rendering(processor: Any) -> None:
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert ids.count(pad) == 4
     shown = harness.context_images
-    assert shown is not None and shown.images == (image,) and shown.placeholder_tokens == 4
+    assert shown is not None
+    assert shown.images == (image,)
+    assert shown.placeholder_tokens == 4
     pixels = processor.image_processor(images=[image], return_tensors="pt")
     assert torch.equal(shown.tensors["pixel_values"], pixels["pixel_values"])
     assert shown.tensors["image_grid_thw"].tolist() == [[1, 4, 4]]
@@ -80,7 +82,8 @@ def test_multi_turn_sample_equals_the_whole_conversation_rendered(processor: Any
     completions = [_completion(processor, a) for a in actions]
     harness.step(completions[0])
     result = harness.step(completions[1])
-    assert not result.done and not result.new_sample
+    assert not result.done
+    assert not result.new_sample
     messages = [
         _user([first], "look 0"),
         {"role": "assistant", "content": actions[0]},
@@ -125,8 +128,10 @@ def test_segment_max_images_restarts_with_the_latest_images(processor: Any) -> N
     assert data.info["restart"]["kept_turns"] == 0
     first, second = data.samples
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    assert first.images is not None and first.images.images == (images[0], images[1])
-    assert second.images is not None and second.images.images == (images[2],)
+    assert first.images is not None
+    assert first.images.images == (images[0], images[1])
+    assert second.images is not None
+    assert second.images.images == (images[2],)
     for sample in data.samples:
         assert sample.images is not None
         assert (
@@ -163,7 +168,8 @@ def test_an_image_that_does_not_decode_fails_the_episode(processor: Any) -> None
     )
     assert "images" not in data.info  # the env's images are shown, not kept in the info
     (sample,) = data.samples  # what was played before stays readable
-    assert sample.images is not None and len(sample.images) == 1
+    assert sample.images is not None
+    assert len(sample.images) == 1
 
 
 def test_too_many_images_in_one_observation(processor: Any) -> None:
@@ -198,7 +204,9 @@ def test_a_bad_image_fails_its_episode_not_the_batch(processor: Any) -> None:
     finally:
         collector.close()
     failed, played = batch.trajectories
-    assert failed.failed and failed.episode.info["error"].startswith(
+    assert failed.failed
+    assert failed.episode.info["error"].startswith(
         "ImageObservationError: observation image 1 of 1 could not be decoded"
     )
-    assert not played.failed and played.episode.stop_reason is StopReason.TERMINATED
+    assert not played.failed
+    assert played.episode.stop_reason is StopReason.TERMINATED

@@ -210,3 +210,68 @@ def test_a_bad_image_fails_its_episode_not_the_batch(processor: Any) -> None:
     )
     assert not played.failed
     assert played.episode.stop_reason is StopReason.TERMINATED
+
+
+# A LLaVA-style processor over a real SentencePiece tokenizer (Mistral's v3: `[INST]` and
+# `[/INST]` are control tokens, words start with `▁`): a different placeholder rule (a fixed
+# count per image, no delimiters) and a template whose boundaries are not all special tokens.
+_MISTRAL_VLM_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<image>\n{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}[/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def llava_processor() -> Any:
+    from real_tokenizers import load_mistral_tokenizer
+    from transformers import LlavaProcessor
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    tokenizer = load_mistral_tokenizer("mistral_v3")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = _MISTRAL_VLM_TEMPLATE
+    images = LlavaImageProcessorPil(
+        size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
+    )
+    return LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=_MISTRAL_VLM_TEMPLATE,
+    )
+
+
+def test_a_sentencepiece_llava_processor_renders_the_same_ids(llava_processor: Any) -> None:
+    processor, tokenizer = llava_processor, llava_processor.tokenizer
+    first, second = square(RED, 40, 60), square(BLUE, 90, 30)
+    env = PictureEnv([[first], [second], []], turns=2, text="Which colour?")
+    harness = RolloutHarness.local(env, tokenizer, 2, vision_processor=processor)
+    harness.reset()
+    # the ids the template's rendering gives the answer after `[/INST]`: `red`, not `▁red`
+    inst_end = tokenizer.convert_tokens_to_ids("[/INST]")
+    answer = tokenizer.encode("[/INST]red", add_special_tokens=False)
+    assert answer[0] == inst_end
+    completion = [*answer[1:], tokenizer.eos_token_id]
+    harness.step(completion)
+    messages = [
+        _user([first], "Which colour? 0"),
+        {"role": "assistant", "content": "red"},
+        _user([second], "Which colour? 1"),
+    ]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<s>[INST] <image>\nWhich colour? 0[/INST]red</s>[INST] <image>\n")
+    expected = list(
+        processor(text=[text], images=[first, second], add_special_tokens=False)["input_ids"][0]
+    )
+    assert harness.context_ids == expected
+    # 28 x 28 pixels after the crop: 2 x 2 patches of 14, the class token dropped
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    assert expected.count(image_id) == 8
+    shown = harness.context_images
+    assert shown is not None
+    assert shown.placeholder_tokens == 8
+    assert tuple(shown.tensors["pixel_values"].shape) == (2, 3, 28, 28)

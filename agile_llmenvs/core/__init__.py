@@ -7,6 +7,7 @@ turns any ``TextEnv`` (or a factory of them) into one.
 
 from __future__ import annotations
 
+from agile_llmenvs.core.images import ImagePrompt, SampleImages, image_model_inputs
 from agile_llmenvs.core.text_env import TextEnvironment, from_text_env, render_action
 from agile_llmenvs.core.types import Action, Environment, EnvironmentSpec, State, StepResult
 
@@ -14,9 +15,12 @@ __all__ = [
     "Action",
     "Environment",
     "EnvironmentSpec",
+    "ImagePrompt",
+    "SampleImages",
     "State",
     "StepResult",
     "TextEnvironment",
     "from_text_env",
+    "image_model_inputs",
     "render_action",
 ]

@@ -145,6 +145,12 @@ class ContinuousRollouts:
                 if version is None:  # versions only rise: the oldest policy of the episode
                     version = backend.version
                 request = replace(params, seed=request_seed(params.seed, episode, turn))
+                if harness.context_images is not None:
+                    raise _EpisodeFailed(
+                        f"{type(backend).__name__} generates from ids alone but the prompt "
+                        "shows images: play image envs on the lock-step path with the HF "
+                        "backend"
+                    )
                 try:
                     generation = await backend.agenerate(harness.context_ids, request)
                 except GenerationServerError as exc:

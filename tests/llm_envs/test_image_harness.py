@@ -275,3 +275,26 @@ def test_a_sentencepiece_llava_processor_renders_the_same_ids(llava_processor: A
     assert shown is not None
     assert shown.placeholder_tokens == 8
     assert tuple(shown.tensors["pixel_values"].shape) == (2, 3, 28, 28)
+
+
+def test_the_continuous_path_refuses_image_prompts_per_episode(processor: Any) -> None:
+    from agile_llmenvs.backends.types import Generation, SamplingParams
+
+    class IdsOnly:  # an AsyncTokenBackend (a `vllm serve` one, say): ids in, ids out
+        version = 0
+
+        async def agenerate(self, prompt: Any, params: Any) -> Generation:
+            raise AssertionError("must not be asked to generate blind")
+
+    def factory() -> RolloutHarness:
+        return _harness(processor, PictureEnv([[square(RED)]], turns=1), max_turns=1)
+
+    collector = RolloutCollector(factory, batch_size=1, group_size=2, io_timeout_s=60)
+    try:
+        batch = collector.collect_continuous(IdsOnly(), SamplingParams(max_tokens=2, seed=0))
+    finally:
+        collector.close()
+    assert [t.episode.info["error"] for t in batch.trajectories] == [
+        "IdsOnly generates from ids alone but the prompt shows images: play image envs on the "
+        "lock-step path with the HF backend"
+    ] * 2

@@ -422,6 +422,13 @@ class RunManifest(BaseModel):
                 f"{self.training.algorithm!r} trains on an env of "
                 f"{want}; this env has env_type {actual[0]!r}",
             )
+        backend = self.training.generation_backend
+        if self.model.path is None and self.model.builtin == "tiny_vlm" and backend != "hf":
+            raise fail(
+                "training.generation_backend",
+                f"{backend!r} generates from ids alone, but `model.builtin: tiny_vlm` is a "
+                "vision-language model: use `generation_backend: hf`",
+            )
         return self
 
 

@@ -87,6 +87,22 @@ def test_multi_agent_needs_a_gym_env() -> None:
         RunManifest.model_validate({"env": {"env_type": "bandit"}, "multi_agent": True})
 
 
+@pytest.mark.parametrize("backend", ["vllm", "vllm_server"])
+def test_the_tiny_vlm_generates_on_the_hf_backend(backend: str) -> None:
+    env = {"env_type": "rollout", "entrypoint": "a:B"}
+    training = {"algorithm": "grpo", "generation_backend": backend}
+    if backend == "vllm_server":
+        training["vllm_server"] = {"urls": ["http://127.0.0.1:8000"]}
+    with pytest.raises(ValidationError) as exc:
+        RunManifest.model_validate(
+            {"env": env, "model": {"builtin": "tiny_vlm"}, "training": training}
+        )
+    assert (
+        f"training.generation_backend: {backend!r} generates from ids alone, but "
+        "`model.builtin: tiny_vlm` is a vision-language model: use `generation_backend: hf`"
+    ) in str(exc.value)
+
+
 @pytest.mark.parametrize("suffix", [".yaml", ".yml", ".json"])
 def test_dump_then_load_is_identity(tmp_path: Path, suffix: str) -> None:
     manifest = RunManifest.model_validate(

@@ -25,6 +25,7 @@ def make_llm_env(
     seed: int | None = None,
     rank: int = 0,
     world_size: int = 1,
+    vision_processor: Any = None,
 ) -> DatasetEnv:
     """Build the teacher-forced dataset environment of an LLM spec.
 
@@ -39,6 +40,8 @@ def make_llm_env(
         seed: Seed of the train/test split and of the env's row order (None: 42).
         rank: This process's data-parallel rank.
         world_size: Number of data-parallel ranks.
+        vision_processor: A vision-language policy's processor: rows' ``images`` are shown
+            to it (an image given as a path is relative to ``spec.dataset_path``'s folder).
 
     Raises:
         AgileLLMEnvsError: ``spec`` is a rollout spec.
@@ -67,7 +70,17 @@ def make_llm_env(
         seed=seed,
         rank=rank,
         world_size=world_size,
+        vision_processor=vision_processor,
+        image_root=_image_root(spec),
     )
+
+
+def _image_root(spec: LLMEnvSpec) -> Path | None:
+    """The folder of the rows file (or the ``save_to_disk`` folder itself)."""
+    if spec.dataset_path is None:
+        return None
+    path = Path(spec.dataset_path)
+    return path if path.is_dir() else path.parent
 
 
 def _read_chat_template(path: str) -> str:

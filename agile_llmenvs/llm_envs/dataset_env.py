@@ -4,22 +4,39 @@ Nothing is generated. Every row is tokenized once, up front: the prompt through 
 tokenizer's chat template with the generation prompt, each response without special tokens
 and closed by the eos token (the end of the assistant turn). A sequence is exactly prompt ids +
 response ids; nothing is decoded and re-encoded.
+
+A row may show images (:mod:`~agile_llmenvs.llm_envs.dataset_images`: its ``images`` column)
+to a vision-language policy: its prompt is then the processor's own ids, each image expanded
+into its placeholder tokens (which count toward ``max_context_length``), and its batch row
+carries the images' pixel tensors, made from the kept images when the batch is.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from agile_llmenvs.llm_envs.dataset_images import (
+    IMAGES_COLUMN,
+    cell_images,
+    decode_cell,
+    show_images,
+)
 from agile_llmenvs.llm_envs.framing import ChatFramer, ChatTemplateError, apply_chat_template
+from agile_llmenvs.llm_envs.image_framing import ImageFramer
 from agile_llmenvs.llm_envs.rows import DatasetError, require_columns
 from agile_llmenvs.llm_envs.tasks import TaskAssigner
+from agile_llmenvs.transport.images import ImageObservationError
 
 if TYPE_CHECKING:
     import torch
     from datasets import Dataset
+
+    from agile_llmenvs.core.images import SampleImages
 
 __all__ = ["IGNORE_INDEX", "DatasetEnv", "PreferenceBatch", "SFTBatch"]
 
@@ -41,12 +58,16 @@ class SFTBatch:
         attention_mask: 1 on the row's tokens, 0 on padding.
         labels: ``input_ids`` with ``IGNORE_INDEX`` (-100) on the prompt and the padding.
         prompt_lengths: Prompt tokens of each row.
+        images_B: The images each row shows, with their pixel tensors (None for a row that
+            shows none); empty when no row shows any. They stay on the CPU in :meth:`to`:
+            :func:`~agile_llmenvs.core.images.image_model_inputs` moves a micro-batch's.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     labels: torch.Tensor
     prompt_lengths: torch.Tensor
+    images_B: tuple[SampleImages | None, ...] = ()
 
     def to(self, device: torch.device | str) -> SFTBatch:
         """The same batch on ``device``."""
@@ -84,16 +105,19 @@ class PreferenceBatch:
 
 
 def _to(batch: _BatchT, device: torch.device | str) -> _BatchT:
-    return replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in fields(batch)})
+    tensors = (f.name for f in fields(batch) if f.name != "images_B")
+    return replace(batch, **{name: getattr(batch, name).to(device) for name in tensors})
 
 
 @dataclass(frozen=True)
 class _Example:
-    """A tokenized row: its full sequences (one for sft; chosen then rejected) and the
-    length of the prompt they share."""
+    """A tokenized row: its full sequences (one for sft; chosen then rejected), the length
+    of the prompt they share, and for a row that shows images, its prompt messages with them
+    (the batch's pixel tensors are made from these, so the dataset's are never all held)."""
 
     prompt_length: int
     sequences: tuple[list[int], ...]
+    shown: tuple[Mapping[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +139,9 @@ class DatasetEnv:
 
     Rows have a ``prompt`` (a string, shown as one user message, or a list of chat messages)
     and, for ``sft``, the ``response_column``; for ``preference``, ``chosen`` and ``rejected``.
+    An ``sft`` row may also show images, its ``images`` column (a list of image values, see
+    :mod:`~agile_llmenvs.llm_envs.dataset_images`), to a vision-language policy (given as its
+    ``vision_processor``); the processor's chat template then frames every row.
     With ``max_context_length`` the prompt is kept whole and each response is cut to fit; a row
     is dropped when less than ``min_completion_length`` tokens (at least one, counting the
     closing eos) of a response are left, so a prompt alone over the budget drops its row.
@@ -142,10 +169,17 @@ class DatasetEnv:
         seed: Seed of the per-epoch shuffles.
         rank: This process's shard index in ``[0, world_size)``.
         world_size: Number of data-parallel ranks.
+        vision_processor: A vision-language policy's processor (``AutoProcessor``); None: the
+            policy is text-only.
+        image_root: The folder an image given as a file path is relative to (None: a
+            string image value is base64 only).
 
     Raises:
-        DatasetError: A required column is missing, a value has the wrong type, or fewer
-            train rows than ranks are left after filtering.
+        DatasetError: A required column is missing, a value has the wrong type, a
+            preference row shows images (not supported yet), or fewer train rows than ranks
+            are left after filtering.
+        ImageObservationError: A row shows images to a text-only policy, or one of its
+            images does not decode.
     """
 
     def __init__(
@@ -163,6 +197,8 @@ class DatasetEnv:
         seed: int = 42,
         rank: int = 0,
         world_size: int = 1,
+        vision_processor: Any = None,
+        image_root: str | os.PathLike[str] | None = None,
     ) -> None:
         if objective not in ("sft", "preference"):
             raise ValueError(f"objective must be 'sft' or 'preference', got {objective!r}")
@@ -178,7 +214,11 @@ class DatasetEnv:
             ("prompt", response_column) if objective == "sft" else ("prompt", "chosen", "rejected"),
             dict(chat_template_kwargs or {}),
             _Budget(max_context_length, max(1, min_completion_length or 1)),
+            vision_processor=vision_processor,
+            image_root=None if image_root is None else Path(image_root),
+            allow_images=objective == "sft",
         )
+        self._images = tokenize.images
         self._train = tokenize(train_dataset, "train")
         self._test = tokenize(test_dataset, "test")
         if len(self._train) < world_size:
@@ -275,7 +315,7 @@ class DatasetEnv:
         width = max(len(s) for e in examples for s in e.sequences)
         if self.objective == "sft":
             ids, mask, labels = self._pad(examples, 0, width)
-            return SFTBatch(ids, mask, labels, prompt_lengths)
+            return SFTBatch(ids, mask, labels, prompt_lengths, self._images_B(examples))
         chosen, rejected = self._pad(examples, 0, width), self._pad(examples, 1, width)
         return PreferenceBatch(
             chosen_input_ids=chosen[0],
@@ -286,6 +326,13 @@ class DatasetEnv:
             chosen_labels=chosen[2],
             rejected_labels=rejected[2],
         )
+
+    def _images_B(self, examples: Sequence[_Example]) -> tuple[SampleImages | None, ...]:
+        """Each example's images with their tensors, the processor's for its prompt."""
+        if self._images is None or all(e.shown is None for e in examples):
+            return ()
+        framer = self._images
+        return tuple(None if e.shown is None else framer.prompt(e.shown)[1] for e in examples)
 
     def _pad(
         self, examples: Sequence[_Example], which: int, width: int
@@ -314,7 +361,14 @@ class _RowTokenizer:
         columns: tuple[str, ...],
         chat_template_kwargs: dict[str, Any],
         budget: _Budget,
+        *,
+        vision_processor: Any = None,
+        image_root: Path | None = None,
+        allow_images: bool = True,
     ) -> None:
+        template = getattr(vision_processor, "chat_template", None)
+        if template:  # a vision-language policy's prompts are its processor's
+            chat_template_kwargs.setdefault("chat_template", template)
         if not getattr(tokenizer, "chat_template", None) and "chat_template" not in (
             chat_template_kwargs
         ):
@@ -331,6 +385,10 @@ class _RowTokenizer:
                 "the chat template closes an assistant turn with no special token and the "
                 "tokenizer has no eos token to close each response; set tokenizer.eos_token"
             )
+        self.images = (
+            ImageFramer(vision_processor, self.framer) if vision_processor is not None else None
+        )
+        self.image_root, self.allow_images = image_root, allow_images
 
     def __call__(self, dataset: Dataset, split: str) -> list[_Example]:
         if len(dataset) == 0:
@@ -338,18 +396,26 @@ class _RowTokenizer:
         require_columns(dataset, self.columns, f"the {split} split")
         prompt_column, *completion_columns = self.columns
         completions = [self._encode(dataset, column, split) for column in completion_columns]
+        cells = (
+            dataset[IMAGES_COLUMN]
+            if IMAGES_COLUMN in dataset.column_names
+            else [None] * len(dataset)
+        )
         examples = []
-        for index, prompt in enumerate(dataset[prompt_column]):
-            prompt_ids = apply_chat_template(
-                self.tokenizer,
-                _messages(prompt, index, split),
-                add_generation_prompt=True,
-                **self.kwargs,
-            )
+        for index, (prompt, cell) in enumerate(zip(dataset[prompt_column], cells, strict=True)):
+            messages = _messages(prompt, index, split)
+            shown = self._shown(messages, cell, f"{split} row {index}")
+            if shown is None:
+                prompt_ids = apply_chat_template(
+                    self.tokenizer, messages, add_generation_prompt=True, **self.kwargs
+                )
+            else:
+                assert self.images is not None  # _shown refuses images to a text-only policy
+                prompt_ids = self.images.prompt(shown)[0]
             kept = [self.budget.fit(len(prompt_ids), ids[index]) for ids in completions]
             if all(ids is not None for ids in kept):
                 sequences = tuple(prompt_ids + ids for ids in kept if ids is not None)
-                examples.append(_Example(len(prompt_ids), sequences))
+                examples.append(_Example(len(prompt_ids), sequences, shown))
         if len(examples) < len(dataset):
             logger.info(
                 "%s split: dropped %d of %d rows with too little response left within the "
@@ -359,6 +425,28 @@ class _RowTokenizer:
                 len(dataset),
             )
         return examples
+
+    def _shown(
+        self, messages: list[dict[str, Any]], cell: Any, where: str
+    ) -> tuple[dict[str, Any], ...] | None:
+        """The prompt's messages showing the row's images, decoded; None if it shows none."""
+        values = cell_images(cell)
+        if not values:
+            return None
+        count = f"{len(values)} image{'s' if len(values) > 1 else ''}"
+        if not self.allow_images:
+            raise DatasetError(
+                f"{where} shows {count}, but preference (DPO) training on images is not "
+                "supported yet: drop the rows' `images` column, or train with SFT"
+            )
+        if self.images is None:
+            raise ImageObservationError(
+                f"{where} shows {count} but the policy is text-only: train a vision-language "
+                "model (model.builtin: tiny_vlm, or a model.path with a vision_config; "
+                "DatasetEnv's vision_processor), or drop the rows' `images` column"
+            )
+        images = decode_cell(values, where=where, root=self.image_root)
+        return tuple(show_images(messages, images, where=where))
 
     def _encode(self, dataset: Dataset, column: str, split: str) -> list[list[int]]:
         """Each row's ``column`` text as ids, as the template renders an assistant turn's

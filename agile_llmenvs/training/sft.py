@@ -66,6 +66,7 @@ class SFTObjective:
             batch.attention_mask[rows],
             batch.labels[rows],
             chunk_tokens=self.chunk_tokens,
+            images_B=batch.images_B[rows],
         )
         loss = -(logps_BT * mask_BT).sum() / max(total_units, 1.0)
         return loss, {"tokens": float(mask_BT.sum())}

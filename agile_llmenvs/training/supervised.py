@@ -8,15 +8,21 @@ whole batch's gradient.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from agile_llmenvs.core.images import SampleImages, image_model_inputs
 from agile_llmenvs.specs import LLMEnvSpec, RunManifest
 from agile_llmenvs.training.checkpoint import load_checkpoint, save_checkpoint
-from agile_llmenvs.training.common import TrainResult, prepare_policy, training_spec
+from agile_llmenvs.training.common import (
+    TrainResult,
+    prepare_policy,
+    training_spec,
+    vision_processor,
+)
 from agile_llmenvs.training.interrupt import StopRequest
 from agile_llmenvs.training.learner import Learner, micro_batch_slices, reduce_sum
 from agile_llmenvs.training.logprobs import scored_token_logps
@@ -56,20 +62,27 @@ def labelled_logps(
     labels_BT: torch.Tensor,
     *,
     chunk_tokens: int,
+    images_B: Sequence[SampleImages | None] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the labelled (response) tokens, the rows cut to their longest.
+
+    Args:
+        images_B: The images row ``b`` shows (:attr:`SFTBatch.images_B` of these rows; empty
+            when none does): the vision-language model's forward sees their pixels.
 
     Returns:
         ``(logps_BT, mask_BT)``, both ``[B, T - 1]``: position ``t`` scores token ``t + 1``.
     """
     width = int(attention_mask_BT.sum(dim=1).max())
     mask_BT = labels_BT[:, 1:width] != -100
+    input_ids_BT = input_ids_BT[:, :width]
     scored = scored_token_logps(
         model,
-        input_ids_BT[:, :width],
+        input_ids_BT,
         attention_mask_BT[:, :width],
         mask_BT,
         chunk_tokens=chunk_tokens,
+        model_inputs=image_model_inputs(images_B, input_ids_BT, model),
     )
     return scored.logps_BT, mask_BT
 
@@ -214,6 +227,7 @@ def _dataset_env(manifest: RunManifest, tokenizer: Any, accelerator: Any) -> Any
         tokenizer,
         data_batch_size_per_gpu=config.batch_size,
         max_context_length=manifest.model.max_model_len,
+        vision_processor=vision_processor(manifest.model),
         seed=manifest.seed,
         rank=accelerator.process_index,
         world_size=accelerator.num_processes,

@@ -81,8 +81,11 @@ def row_indices(tokenizer: Any, batch: SFTBatch, rows: list[dict[str, str]]) -> 
 
 
 def same_batch(a: SFTBatch | PreferenceBatch, b: SFTBatch | PreferenceBatch) -> bool:
+    def equal(x: Any, y: Any) -> bool:
+        return torch.equal(x, y) if isinstance(x, torch.Tensor) else bool(x == y)
+
     return type(a) is type(b) and all(
-        torch.equal(getattr(a, name), getattr(b, name)) for name in a.__dataclass_fields__
+        equal(getattr(a, name), getattr(b, name)) for name in a.__dataclass_fields__
     )
 
 

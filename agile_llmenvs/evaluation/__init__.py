@@ -2,11 +2,13 @@
 
 :class:`TrajectoryRunner` advances every live trajectory one step per backend call;
 :func:`run_multi_evaluation` shares that loop across environments;
-:class:`SegmentedTrajectoryRunner` does it segment by segment with a continuation strategy.
+:class:`SegmentedTrajectoryRunner` does it segment by segment with a continuation strategy;
+:class:`ImageChatBackend` shows a vision-language model the images an env sends.
 """
 
 from __future__ import annotations
 
+from agile_llmenvs.evaluation.images import ImageChatBackend
 from agile_llmenvs.evaluation.multi import MultiEvalEntry, run_evaluation, run_multi_evaluation
 from agile_llmenvs.evaluation.results import BatchResult, StopReason, Trajectory, Turn
 from agile_llmenvs.evaluation.runner import (
@@ -31,6 +33,7 @@ __all__ = [
     "BatchResult",
     "ContinuationStrategy",
     "ForceAction",
+    "ImageChatBackend",
     "MultiEvalEntry",
     "Progress",
     "ProgressCallback",

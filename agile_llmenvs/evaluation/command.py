@@ -3,7 +3,8 @@
 Every environment of the config runs in one interleaved lock-step loop
 (:func:`run_multi_evaluation`), so each step is one backend call across all of them.
 ``--limit`` and ``--max-tokens`` shorten a run without editing the config; ``--model`` swaps
-the model (a training run's folder or checkpoint, say).
+the model (a training run's folder or checkpoint, say). ``backend: huggingface`` over a
+vision-language model shows it the env's images, framed by the model's processor.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.evaluation.results import BatchResult
 
 if TYPE_CHECKING:
-    from agile_llmenvs.config import EvalConfig, ResultsConfig
+    from agile_llmenvs.backends.types import Backend
+    from agile_llmenvs.config import EnvironmentConfig, EvalConfig, ModelConfig, ResultsConfig
 
 __all__ = ["format_table", "register", "run_eval_command"]
 
@@ -130,12 +132,14 @@ def _evaluate(config: EvalConfig, batch_size: int | None, limit: int | None) -> 
 
     with _loader_bars_off_outside_a_terminal():
         environments = [EnvironmentFactory.create(e) for e in config.environments]
-        backend = BackendFactory.create(config.model)
+        backend = _image_backend(BackendFactory.create(config.model), config.model)
     params = create_sampling_params(config.inference)
     try:
         entries = []
         for env_config, env in zip(config.environments, environments, strict=True):
-            runner_config = RunnerConfig(config.system_prompt, max_steps=env_config.max_steps)
+            runner_config = RunnerConfig(
+                config.system_prompt, max_steps=env_config.max_steps, seed=_reset_seed(env_config)
+            )
             runner = TrajectoryRunner(env, backend, params, config=runner_config)
             count = min(env_config.size, env.spec.dataset_size or env_config.size)
             entries.append(MultiEvalEntry(runner, range(min(count, limit or count))))
@@ -148,6 +152,31 @@ def _evaluate(config: EvalConfig, batch_size: int | None, limit: int | None) -> 
         backend.close()
         for env in environments:
             env.close()
+
+
+def _image_backend(backend: Backend, model: ModelConfig) -> Backend:
+    """``backend``, or for an HF backend over a vision-language model, the backend that shows
+    it the env's images (framed with the processor saved beside the model)."""
+    from agile_llmenvs.backends.hf import HFBackend
+
+    if not isinstance(backend, HFBackend) or not backend.supports_images:
+        return backend
+    from agile_llmenvs.config.factories import model_directory
+    from agile_llmenvs.evaluation.images import ImageChatBackend
+    from agile_llmenvs.tiny_vlm import load_processor
+
+    try:
+        return ImageChatBackend(backend, load_processor(model_directory(model.model)))
+    except BaseException:
+        backend.close()
+        raise
+
+
+def _reset_seed(env: EnvironmentConfig) -> int | None:
+    """The seed task 0 of an entry-point or manifest env is reset with (task ``i``: ``seed +
+    i``), so a procedural env plays the same tasks every run; reasoning-gym envs are seeded
+    when built."""
+    return env.seed if env.source in ("entry_point", "manifest") else None
 
 
 @contextlib.contextmanager

@@ -47,7 +47,9 @@ class Trajectory:
         task_index: The task (dataset row) it ran.
         env_name: The environment's name.
         turns: Every step, in order.
-        messages: The whole conversation, system prompt included.
+        messages: The whole conversation, system prompt included (a message that showed
+            images holds them as image parts; a results file records each as
+            ``{"type": "image"}``).
         total_reward: The sum of the turns' rewards.
         success: Whether the episode counts as solved (the env's ``info["success"]`` when
             it reports one, else ``total_reward`` reaching the runner's threshold).
@@ -109,10 +111,24 @@ def truncate(text: str, max_chars: int | None) -> str:
 
 
 def _cut_message(message: Message, max_chars: int | None) -> dict[str, Any]:
+    """A message as a results file holds it: texts cut, an image part without its pixels."""
     record = dict(message)
-    if isinstance(record.get("content"), str):
-        record["content"] = truncate(record["content"], max_chars)
+    content = record.get("content")
+    if isinstance(content, str):
+        record["content"] = truncate(content, max_chars)
+    elif isinstance(content, list | tuple):
+        record["content"] = [_cut_part(part, max_chars) for part in content]
     return record
+
+
+def _cut_part(part: Any, max_chars: int | None) -> Any:
+    if not isinstance(part, Mapping):
+        return part
+    if part.get("type") == "image":
+        return {"type": "image"}
+    if isinstance(part.get("text"), str):
+        return {**part, "text": truncate(part["text"], max_chars)}
+    return dict(part)
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -4,6 +4,9 @@
 trajectory, generate all their completions in a single backend call, step each trajectory's
 episode with its completion, and drop those that finished. As trajectories end the batch
 shrinks, and short ones never wait on long ones beyond the step they are in.
+
+Images an env sends in ``info["images"]`` are shown in the user message they came with (see
+:mod:`~agile_llmenvs.evaluation.images`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ from typing import Any
 from agile_llmenvs.backends.types import Backend, Completion, Message, SamplingParams
 from agile_llmenvs.core.types import Action, Environment, State
 from agile_llmenvs.errors import BackendError, EvaluationError
+from agile_llmenvs.evaluation.images import shown_images
 from agile_llmenvs.evaluation.results import BatchResult, StopReason, Trajectory, Turn
+from agile_llmenvs.llm_envs.image_framing import with_images
+from agile_llmenvs.transport.images import IMAGES_FIELD, ImageObservationError, reply_images
 
 __all__ = [
     "Progress",
@@ -88,7 +94,8 @@ class Rollout:
 
     ``env`` is the instance the rollout steps (the runner's environment unless the
     multi-instance path gave it one of its own); ``base_steps`` counts the steps taken before
-    the rollout began (a rollout from a mid-episode state), which the step budget includes.
+    the rollout began (a rollout from a mid-episode state), which the step budget includes;
+    ``images`` maps a message of the state's conversation (by index) to the images it shows.
     """
 
     runner: TrajectoryRunner
@@ -100,6 +107,7 @@ class Rollout:
     error: str | None = None
     env: Environment | None = None
     base_steps: int = 0
+    images: dict[int, tuple[Any, ...]] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -245,7 +253,13 @@ class TrajectoryRunner:
     # The per-trajectory steps, also driven by run_multi_evaluation's shared loop.
 
     def start(self, task_index: int) -> Rollout:
-        """Reset an episode for ``task_index``; an env error ends it at once, as a value."""
+        """Reset an episode for ``task_index``; an env error ends it at once, as a value, as
+        do images the policy cannot see.
+
+        Raises:
+            EvaluationError: the env sent images and the backend takes none (see
+                :func:`~agile_llmenvs.evaluation.images.shown_images`).
+        """
         rollout = Rollout(self, task_index)
         seed = None if self.config.seed is None else self.config.seed + task_index
         try:
@@ -254,14 +268,24 @@ class TrajectoryRunner:
             )
         except Exception as exc:
             rollout.stop_reason, rollout.error = StopReason.ENV_ERROR, _describe(exc)
+            return rollout
+        self._show(rollout, 0, reply_images({}, rollout.last_info))
+        rollout.last_info.pop(IMAGES_FIELD, None)
         return rollout
 
     def messages(self, rollout: Rollout) -> list[Message]:
-        """The conversation to generate the next action of ``rollout`` from."""
+        """The conversation to generate the next action of ``rollout`` from (a message that
+        shows images holds them as image parts before its text)."""
         assert rollout.state is not None
         system = self.config.system_prompt
         head: list[Message] = [{"role": "system", "content": system}] if system else []
-        return head + list(rollout.state.messages)
+        shown = rollout.images
+        return head + [
+            {**message, "content": with_images(message["content"], shown[i])}
+            if i in shown
+            else message
+            for i, message in enumerate(rollout.state.messages)
+        ]
 
     def advance(self, rollout: Rollout, completion: Completion) -> None:
         """Step ``rollout``'s episode with ``completion``, ending it when it is done."""
@@ -272,23 +296,30 @@ class TrajectoryRunner:
         self.act(rollout, Action.from_completion(completion))
 
     def act(self, rollout: Rollout, action: Action) -> None:
-        """Step ``rollout``'s episode with ``action``, ending it when it is done."""
+        """Step ``rollout``'s episode with ``action``, ending it when it is done.
+
+        Raises:
+            EvaluationError: as :meth:`start`, for the images of the next observation.
+        """
         assert rollout.state is not None
         try:
             result = rollout.environment.step(rollout.state, action)
         except Exception as exc:
             self._end(rollout, StopReason.ENV_ERROR, _describe(exc))
             return
-        rollout.state, rollout.last_info = result.next_state, dict(result.info)
-        rollout.turns.append(
-            Turn(action, result.next_state.observation, result.reward, result.info)
-        )
+        info = dict(result.info)
+        images = reply_images({}, info)
+        info.pop(IMAGES_FIELD, None)  # they go to the policy, with the observation
+        rollout.state, rollout.last_info = result.next_state, dict(info)
+        rollout.turns.append(Turn(action, result.next_state.observation, result.reward, info))
         if result.terminated:
             rollout.stop_reason = StopReason.TERMINATED
         elif result.truncated:
             rollout.stop_reason = StopReason.TRUNCATED
         elif rollout.base_steps + len(rollout.turns) >= self.max_steps:
             self._end(rollout, StopReason.MAX_STEPS)
+        else:
+            self._show(rollout, len(result.next_state.messages) - 1, images)
 
     def collect(self, rollouts: Sequence[Rollout]) -> BatchResult:
         """The finished ``rollouts`` as a :class:`BatchResult`."""
@@ -313,6 +344,16 @@ class TrajectoryRunner:
             stop_reason=rollout.stop_reason,
             error=rollout.error,
         )
+
+    def _show(self, rollout: Rollout, index: int, images: list[Any]) -> None:
+        """Show ``images`` in message ``index`` of ``rollout``'s conversation; images the
+        policy cannot see fail the episode (or, for a backend that takes none, the run)."""
+        if not images:
+            return
+        try:
+            rollout.images[index] = tuple(shown_images(self.backend, images))
+        except ImageObservationError as exc:
+            self._end(rollout, StopReason.ENV_ERROR, _describe(exc))
 
     def _end(self, rollout: Rollout, reason: StopReason, error: str | None = None) -> None:
         rollout.stop_reason, rollout.error = reason, error

@@ -497,12 +497,12 @@ def _reasoning_gym_dataset(name: str) -> Callable[[], object]:
 
 def _eval_model(found: _Found, model: Any) -> None:
     from agile_llmenvs.backends.hf import check_model_dir
-    from agile_llmenvs.config.models import TINY_MODEL
+    from agile_llmenvs.config.models import TINY_MODEL, TINY_VLM_MODEL
 
     if model.backend == "vllm":
         found.attempt("model.backend", _installed("vllm", "vllm", "the vllm backend"))
     if model.backend in ("huggingface", "vllm"):
-        if model.model != TINY_MODEL:
+        if model.model not in (TINY_MODEL, TINY_VLM_MODEL):
             from agile_llmenvs.config.factories import model_directory
 
             path = model.model  # a training run's folder or checkpoint stands for its model

@@ -69,3 +69,11 @@ def test_the_default_cache_follows_the_environment(
 
 def test_a_text_model_is_not_a_vision_model(tiny_model_dir: Path) -> None:
     assert not is_vision_model(tiny_model_dir)
+
+
+def test_eval_configs_name_it_tiny_vlm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from agile_llmenvs.config.factories import model_directory
+
+    built = build_tiny_vlm(tmp_path / "tiny-vlm-v1")
+    monkeypatch.setenv("AGILE_LLMENVS_CACHE", str(tmp_path))
+    assert model_directory("tiny_vlm") == str(built)  # the cached build, not built again

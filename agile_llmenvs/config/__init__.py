@@ -17,6 +17,7 @@ from agile_llmenvs.config.factories import (
 )
 from agile_llmenvs.config.models import (
     TINY_MODEL,
+    TINY_VLM_MODEL,
     EnvironmentConfig,
     EvalConfig,
     InferenceConfig,
@@ -26,6 +27,7 @@ from agile_llmenvs.config.models import (
 
 __all__ = [
     "TINY_MODEL",
+    "TINY_VLM_MODEL",
     "BackendFactory",
     "EnvironmentConfig",
     "EnvironmentFactory",

@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from agile_llmenvs.backends.api import APIConfig, RetryPolicy
 from agile_llmenvs.backends.types import Backend, SamplingParams
-from agile_llmenvs.config.models import TINY_MODEL, EnvironmentConfig, InferenceConfig, ModelConfig
+from agile_llmenvs.config.models import (
+    TINY_MODEL,
+    TINY_VLM_MODEL,
+    EnvironmentConfig,
+    InferenceConfig,
+    ModelConfig,
+)
 from agile_llmenvs.core.text_env import TextEnvironment, from_text_env
 from agile_llmenvs.errors import BackendError, CheckpointError, EnvBuildError
 
@@ -126,7 +132,8 @@ _CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 def model_directory(model: str) -> str:
     """The model folder a local backend loads for ``model``.
 
-    A training run's ``output_dir`` (it holds ``checkpoint-<step>`` folders) stands for its
+    ``tiny`` and ``tiny_vlm`` are the built-in models (built offline on first use). A
+    training run's ``output_dir`` (it holds ``checkpoint-<step>`` folders) stands for its
     newest complete checkpoint, and a ``checkpoint-<step>`` folder for the model it saved
     (its ``model/``: full weights, or a LoRA run's adapters); anything else is returned as it
     is (a model folder, or a hub name).
@@ -134,6 +141,14 @@ def model_directory(model: str) -> str:
     Raises:
         CheckpointError: ``model`` is a run folder with no complete checkpoint.
     """
+    if model == TINY_MODEL:
+        from agile_llmenvs.tiny_model import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    if model == TINY_VLM_MODEL:
+        from agile_llmenvs.tiny_vlm import ensure_tiny_vlm
+
+        return str(ensure_tiny_vlm())
     folder = Path(model)
     if _CHECKPOINT.match(folder.name) and (folder / "model").is_dir():
         return str(folder / "model")
@@ -151,12 +166,7 @@ def model_directory(model: str) -> str:
 
 
 def _local_backend(config: ModelConfig) -> Backend:
-    model_path: str = config.model
-    if model_path == TINY_MODEL:
-        from agile_llmenvs.tiny_model import ensure_tiny_model
-
-        model_path = str(ensure_tiny_model())
-    model_path = model_directory(model_path)
+    model_path = model_directory(config.model)
     from agile_llmenvs.backends.hf import check_model_dir
 
     check_model_dir(model_path, field="model.model")
@@ -185,12 +195,7 @@ def _server_backend(config: ModelConfig) -> Backend:
     from agile_llmenvs.backends.hf import check_model_dir
     from agile_llmenvs.backends.vllm_server import VLLMServerBackend
 
-    model_path = config.model
-    if model_path == TINY_MODEL:
-        from agile_llmenvs.tiny_model import ensure_tiny_model
-
-        model_path = str(ensure_tiny_model())
-    model_path = model_directory(model_path)
+    model_path = model_directory(config.model)
     check_model_dir(model_path, field="model.model")
     assert config.urls  # the model validator guarantees it
     return VLLMServerBackend(

@@ -19,6 +19,7 @@ from agile_llmenvs.specs._types import ImportPath
 
 __all__ = [
     "TINY_MODEL",
+    "TINY_VLM_MODEL",
     "EnvironmentConfig",
     "EvalConfig",
     "InferenceConfig",
@@ -28,6 +29,8 @@ __all__ = [
 
 #: The ``model`` name that stands for the package's built-in tiny model (built offline).
 TINY_MODEL = "tiny"
+#: The ``model`` name of the built-in tiny vision-language model (built offline).
+TINY_VLM_MODEL = "tiny_vlm"
 
 _STRICT = ConfigDict(extra="forbid", validate_default=True)
 
@@ -48,7 +51,9 @@ class EnvironmentConfig(BaseModel):
     name: str = Field(min_length=1, description="Dataset name, or a label for an entry point.")
     source: Literal["reasoning_gym", "entry_point", "manifest"] = "reasoning_gym"
     size: int = Field(100, ge=1, description="How many tasks to build and run (at most).")
-    seed: int = Field(0, description="Seed of the generated tasks.")
+    seed: int = Field(
+        0, description="Seed of the generated tasks: task i resets its env with seed + i."
+    )
     entry_point: ImportPath | None = Field(None, description="'module:attr' of a TextEnv.")
     manifest: str | None = Field(
         None,
@@ -106,7 +111,8 @@ class ModelConfig(BaseModel):
     backend: Literal["huggingface", "vllm", "vllm_server", "openai", "anthropic", "openrouter"]
     model: str = Field(
         min_length=1,
-        description=f"Name or local path; {TINY_MODEL!r} is built in. A local backend also "
+        description=f"Name or local path; {TINY_MODEL!r} and {TINY_VLM_MODEL!r} (a "
+        "vision-language model) are built in. A local backend also "
         "takes a training run: its output_dir (the newest complete checkpoint) or one "
         "checkpoint-<step> folder (full weights, or LoRA adapters on their base model). A "
         "relative path is looked up next to the eval config, then in the working directory.",

@@ -13,6 +13,7 @@ import random
 import shutil
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -202,15 +203,27 @@ def build_tiny_model(
             f", not the build asked for ({args}). Pass overwrite=True to replace it, or choose "
             "another output_dir."
         )
+    build_in_place(out, args, _write_build, overwrite=overwrite)
+    return out
+
+
+def build_in_place(
+    out: Path,
+    args: dict[str, Any],
+    write: Callable[[Path, dict[str, Any]], None],
+    *,
+    overwrite: bool,
+) -> None:
+    """Run ``write`` (which ends with the marker) into a sibling temporary directory, then
+    rename it to ``out``: an interrupted build never looks finished."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()  # unlike mkdtemp, honours the umask: the cache may be shared
     try:
-        _write_build(tmp, args)
+        write(tmp, args)
         _move_into_place(tmp, out, args, overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def _write_build(tmp: Path, args: dict[str, Any]) -> None:

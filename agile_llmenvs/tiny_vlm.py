@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +24,9 @@ from agile_llmenvs.tiny_model import (
     IM_END,
     MARKER_FILE,
     _build_tokenizer,
-    _move_into_place,
     _qwen2_tokenizer_config,
     _read_marker,
+    build_in_place,
 )
 
 __all__ = [
@@ -203,14 +201,7 @@ def build_tiny_vlm(
             f"{out} already holds other files, not the tiny VLM asked for ({args}). Pass "
             "overwrite=True to replace it, or choose another output_dir."
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        _build(tmp, args)
-        _move_into_place(tmp, out, args, overwrite)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    build_in_place(out, args, _build, overwrite=overwrite)
     return out
 
 

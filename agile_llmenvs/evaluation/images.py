@@ -21,8 +21,8 @@ import json
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from agile_llmenvs.backends.local import chat_completion
-from agile_llmenvs.backends.types import Completion, Generation, Messages, SamplingParams, Tools
+from agile_llmenvs.backends.local import LocalChatBackend
+from agile_llmenvs.backends.types import Generation, Messages, SamplingParams, Tools
 from agile_llmenvs.core.images import ImagePrompt
 from agile_llmenvs.errors import EvaluationError
 from agile_llmenvs.llm_envs.framing import ChatFramer
@@ -47,7 +47,7 @@ class _ImageGenerator(Protocol):
     def close(self) -> None: ...
 
 
-class ImageChatBackend:
+class ImageChatBackend(LocalChatBackend):
     """A chat backend over a vision-language model whose conversations may show images.
 
     Each conversation is framed as the training harness frames it (with the processor as
@@ -98,30 +98,9 @@ class ImageChatBackend:
         """The token backend's ``generate`` (``ImagePrompt`` ids carry their images)."""
         return self.backend.generate(prompts, params)
 
-    def generate_chat(self, messages: Messages, params: SamplingParams) -> Completion:
-        """Generate one completion for one conversation."""
-        return self.generate_chat_batch([messages], params)[0]
-
-    def generate_chat_batch(
-        self, batch: Sequence[Messages], params: SamplingParams
-    ) -> list[Completion]:
-        """One completion per conversation, from one batched ``generate`` call."""
-        return self._chat([self.encode_chat(m) for m in batch], params)
-
-    def generate_with_tools_batch(
-        self, batch: Sequence[Messages], tools: Tools, params: SamplingParams
-    ) -> list[Completion]:
-        """As :meth:`generate_chat_batch`, with ``tools`` rendered by the chat template."""
-        return self._chat([self.encode_chat(m, tools) for m in batch], params)
-
     def close(self) -> None:
         """Close the token backend."""
         self.backend.close()
-
-    def _chat(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        if not prompts:
-            return []
-        return [chat_completion(g) for g in self.backend.generate(prompts, params)]
 
     def _framer(self, tools: Tools | None) -> ImageFramer:
         key = json.dumps(list(tools or ()), sort_keys=True, default=str)

@@ -1,13 +1,16 @@
-"""The records a rollout emits: why it stopped, and its token-exact training samples."""
+"""The records a rollout emits (why it stopped, its token-exact training samples), and the
+state a harness keeps while an episode runs."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from agile_llmenvs.core.images import SampleImages
+from agile_llmenvs.llm_envs.restart import TurnText
 
 __all__ = ["EpisodeData", "StopReason", "TokenSample", "TurnResult"]
 
@@ -137,3 +140,54 @@ class TurnResult:
     done: bool
     info: dict[str, Any]
     new_sample: bool = False
+
+
+@dataclass
+class EpisodeState:
+    """A running episode's state in a harness (apart from its configuration): the current
+    sample being built, the finished ones, and what a context restart needs."""
+
+    ids: list[int] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    turn_ids: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    images: SampleImages = field(default_factory=SampleImages)
+    samples: list[TokenSample] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    texts: list[TurnText] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    prompt_text: str = ""
+    stop_reason: StopReason | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def turn(self) -> int:
+        return len(self.rewards)
+
+    def append(self, ids: Sequence[int], *, turn: int | None) -> None:
+        """Append ids; ``turn`` is the turn index when the policy sampled them, else None."""
+        if not ids:
+            return
+        start = 0
+        if not self.ids:
+            self.ids.append(ids[0])
+            start = 1
+        count = len(ids) - start
+        self.ids.extend(ids[start:])
+        self.mask.extend([turn is not None] * count)
+        self.turn_ids.extend([-1 if turn is None else turn] * count)
+
+    def close_sample(self) -> None:
+        """Store the current sequence as a finished sample and start an empty one."""
+        if self.ids:
+            self.samples.append(
+                TokenSample(
+                    tuple(self.ids),
+                    tuple(self.mask),
+                    tuple(self.turn_ids),
+                    tuple(self.logps),
+                    self.images if self.images.images else None,
+                )
+            )
+        self.ids, self.mask, self.turn_ids, self.logps = [], [], [], []
+        self.images = SampleImages()

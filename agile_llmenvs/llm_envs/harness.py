@@ -16,7 +16,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from agile_llmenvs.core.images import SampleImages
@@ -29,10 +29,10 @@ from agile_llmenvs.llm_envs.actions import (
     EnvTurn,
     drive,
 )
-from agile_llmenvs.llm_envs.episode import EpisodeData, StopReason, TokenSample, TurnResult
+from agile_llmenvs.llm_envs.episode import EpisodeData, EpisodeState, StopReason, TurnResult
 from agile_llmenvs.llm_envs.framing import ChatFramer
 from agile_llmenvs.llm_envs.image_framing import (
-    ImageFramer,
+    PromptRenderer,
     content_text,
     message_images,
     with_images,
@@ -40,12 +40,6 @@ from agile_llmenvs.llm_envs.image_framing import (
 from agile_llmenvs.llm_envs.restart import FittedRestart, TurnText, fit_restart
 from agile_llmenvs.llm_envs.tool_calls import TOOL_CALL_PARSERS
 from agile_llmenvs.transport.client import EnvClientProtocol, InProcessEnvClient, SupportsListTools
-from agile_llmenvs.transport.images import (
-    IMAGES_FIELD,
-    ImageObservationError,
-    decode_image,
-    reply_images,
-)
 from agile_llmenvs.transport.remote import RemoteEnvClient
 from agile_llmenvs.transport.types import EnvReply
 
@@ -148,56 +142,6 @@ class HarnessConfig:
             )
 
 
-@dataclass
-class _Episode:
-    """Per-episode state, apart from configuration."""
-
-    ids: list[int] = field(default_factory=list)
-    mask: list[bool] = field(default_factory=list)
-    turn_ids: list[int] = field(default_factory=list)
-    logps: list[float] = field(default_factory=list)
-    images: SampleImages = field(default_factory=SampleImages)
-    samples: list[TokenSample] = field(default_factory=list)
-    rewards: list[float] = field(default_factory=list)
-    texts: list[TurnText] = field(default_factory=list)
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    prompt_text: str = ""
-    stop_reason: StopReason | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def turn(self) -> int:
-        return len(self.rewards)
-
-    def append(self, ids: Sequence[int], *, turn: int | None) -> None:
-        """Append ids; ``turn`` is the turn index when the policy sampled them, else None."""
-        if not ids:
-            return
-        start = 0
-        if not self.ids:
-            self.ids.append(ids[0])
-            start = 1
-        count = len(ids) - start
-        self.ids.extend(ids[start:])
-        self.mask.extend([turn is not None] * count)
-        self.turn_ids.extend([-1 if turn is None else turn] * count)
-
-    def close_sample(self) -> None:
-        """Store the current sequence as a finished sample and start an empty one."""
-        if self.ids:
-            self.samples.append(
-                TokenSample(
-                    tuple(self.ids),
-                    tuple(self.mask),
-                    tuple(self.turn_ids),
-                    tuple(self.logps),
-                    self.images if self.images.images else None,
-                )
-            )
-        self.ids, self.mask, self.turn_ids, self.logps = [], [], [], []
-        self.images = SampleImages()
-
-
 class RolloutHarness:
     """Token-level rollout env: tokenisation and the turn loop over a text env client.
 
@@ -251,13 +195,18 @@ class RolloutHarness:
             use_template=self.config.apply_chat_template,
             chat_template_kwargs=template_kwargs,
         )
-        self.images = ImageFramer(processor, self.framer) if processor is not None else None
+        self.renderer = PromptRenderer(
+            self.framer,
+            processor,
+            max_images=self.config.segment_max_images,
+            image_field=self.config.image_field,
+        )
         self.player = ActionPlayer(
-            self.framer, self._observation_text, self.config, images=self._observation_images
+            self.framer, self._observation_text, self.config, images=self.renderer.images
         )
         self.async_calls = _ASYNC_CALLS
         self.eval = False
-        self._episode: _Episode | None = None
+        self._episode: EpisodeState | None = None
         self._tools: list[dict[str, Any]] | None = None  # an MCP env's, listed at first reset
 
     @classmethod
@@ -338,12 +287,12 @@ class RolloutHarness:
                 raise IndexError(f"row_index {index} is outside the {len(rows)} tasks")
             task = {**rows[index], **task}
         reply = yield EnvCall("reset", kwargs={"seed": seed, **task})
-        episode = self._episode = _Episode(info=self._env_info(reply))
+        episode = self._episode = EpisodeState(info=self.renderer.env_info(reply))
         episode.prompt_text = yield from self._first_prompt(reply)
         head = "\n\n".join(filter(None, [self.config.instruction, episode.prompt_text]))
-        content = with_images(head, self._observation_images(reply))
+        content = with_images(head, self.renderer.images(reply))
         episode.messages = [*self._system(), {"role": "user", "content": content}]
-        ids, episode.images = self._render(episode.messages)
+        ids, episode.images = self.renderer.prompt(episode.messages)
         episode.append(ids, turn=None)
         for name in ("max_model_len", "segment_prompt_tokens"):
             limit = getattr(self.config, name)
@@ -453,10 +402,10 @@ class RolloutHarness:
         episode.prompt_text = observation
         config = self.config
         system = bool(config.system_prompt)
-        appended = self._turn(completion_ids, observations, system)
+        appended = self.renderer.turn(completion_ids, observations, system=system)
         new_sample = appended is None
         # A template that rewrites earlier turns: the policy sees the template's re-rendering.
-        ids, images = self._render(episode.messages) if appended is None else appended
+        ids, images = self.renderer.prompt(episode.messages) if appended is None else appended
         budget = config.segment_prompt_tokens
         held = len(images) + (0 if new_sample else len(episode.images))
         over_images = config.segment_max_images is not None and held > config.segment_max_images
@@ -485,21 +434,6 @@ class RolloutHarness:
         episode.images = images if new_sample else episode.images + images
         return TurnResult(list(ids), reward, False, info, new_sample)
 
-    def _turn(
-        self, completion_ids: Sequence[int], observations: list[dict[str, Any]], system: bool
-    ) -> tuple[list[int], SampleImages] | None:
-        """The ids (and images) appended after a completion; None: re-render the whole."""
-        if self.images is not None and message_images(observations):
-            return self.images.turn(completion_ids, observations, system=system)
-        ids = self.framer.turn_ids(completion_ids, observations, system=system)
-        return None if ids is None else (ids, SampleImages())
-
-    def _render(self, messages: list[dict[str, Any]]) -> tuple[list[int], SampleImages]:
-        """A prompt's ids and the images it shows (the processor's, when it shows any)."""
-        if self.images is not None and message_images(messages):
-            return self.images.prompt(messages)
-        return self.framer.prompt(messages), SampleImages()
-
     def _restart(self, observation: str, shown: list[Any]) -> tuple[FittedRestart, SampleImages]:
         """The restart prompt fitted within ``segment_prompt_tokens``; it shows the latest
         observation's images (earlier turns stay as text)."""
@@ -509,7 +443,7 @@ class RolloutHarness:
         def render(messages: list[dict[str, Any]]) -> list[int]:
             last = messages[-1]
             messages = [*messages[:-1], {**last, "content": with_images(last["content"], shown)}]
-            ids, images = self._render(messages)
+            ids, images = self.renderer.prompt(messages)
             rendered[tuple(ids)] = images
             return ids
 
@@ -566,46 +500,11 @@ class RolloutHarness:
             return str(reply.observation[config.observation_field])
         return reply.prompt
 
-    def _observation_images(self, reply: EnvReply) -> list[Any]:
-        """The reply's images, decoded, for the policy to see (none: an empty list).
-
-        Raises:
-            ImageObservationError: an image does not decode, there are more than
-                ``segment_max_images``, or the policy is text-only (no ``vision_processor``).
-        """
-        raw = reply_images(reply.observation, reply.metadata, self.config.image_field)
-        if not raw:
-            return []
-        count = f"{len(raw)} image{'s' if len(raw) > 1 else ''}"
-        if self.images is None:
-            raise ImageObservationError(
-                f"the env sent {count} but the policy is text-only (the harness has no "
-                "vision_processor): use a vision-language model (its processor as "
-                "vision_processor), or an env that sends text only"
-            )
-        limit = self.config.segment_max_images
-        if limit is not None and len(raw) > limit:
-            raise ImageObservationError(
-                f"the env sent {count} in one observation, more than segment_max_images="
-                f"{limit}: raise segment_max_images, or send fewer images per observation"
-            )
-        return [
-            decode_image(value, where=f"observation image {i + 1} of {len(raw)}")
-            for i, value in enumerate(raw)
-        ]
-
-    def _env_info(self, reply: EnvReply) -> dict[str, Any]:
-        """The env's info without the images it carries (they go to the policy)."""
-        info = dict(reply.metadata)
-        if self.config.image_field is None:
-            info.pop(IMAGES_FIELD, None)
-        return info
-
     def _system(self) -> list[dict[str, Any]]:
         prompt = self.config.system_prompt
         return [{"role": "system", "content": prompt}] if prompt else []
 
-    def _require_episode(self) -> _Episode:
+    def _require_episode(self) -> EpisodeState:
         if self._episode is None:
             raise EnvStateError("call reset() first")
         return self._episode

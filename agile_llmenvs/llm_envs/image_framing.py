@@ -17,8 +17,15 @@ from typing import Any
 
 from agile_llmenvs.core.images import TOKEN_ALIGNED_KEYS, SampleImages
 from agile_llmenvs.llm_envs.framing import ChatFramer
+from agile_llmenvs.transport.images import (
+    IMAGES_FIELD,
+    ImageObservationError,
+    decode_image,
+    reply_images,
+)
+from agile_llmenvs.transport.types import EnvReply
 
-__all__ = ["ImageFramer", "content_text", "message_images", "with_images"]
+__all__ = ["ImageFramer", "PromptRenderer", "content_text", "message_images", "with_images"]
 
 Message = Mapping[str, Any]
 
@@ -111,3 +118,80 @@ class ImageFramer:
             return ids, SampleImages()
         tensors = {k: v for k, v in out.items() if k not in TOKEN_ALIGNED_KEYS}
         return ids, SampleImages(tuple(images), tensors, ids.count(self.image_token_id))
+
+
+class PromptRenderer:
+    """What a harness's policy is shown: prompts and turns as ids with the images they show.
+
+    Conversations that show images go through an :class:`ImageFramer`; all others through
+    the text framer alone, so a text policy pays nothing for images it never sees.
+
+    Args:
+        framer: The harness's framer.
+        processor: The vision-language model's processor; None: the policy is text-only.
+        max_images: ``segment_max_images``: the most images one observation may show.
+        image_field: The observation field holding the images (None: the observation's
+            ``images``, else ``info["images"]``).
+    """
+
+    def __init__(
+        self,
+        framer: ChatFramer,
+        processor: Any = None,
+        *,
+        max_images: int | None = None,
+        image_field: str | None = None,
+    ) -> None:
+        self.framer = framer
+        self.image_framer = ImageFramer(processor, framer) if processor is not None else None
+        self.max_images, self.image_field = max_images, image_field
+
+    def prompt(self, messages: Sequence[Message]) -> tuple[list[int], SampleImages]:
+        """A prompt's ids and the images it shows (the processor's, when it shows any)."""
+        if self.image_framer is not None and message_images(messages):
+            return self.image_framer.prompt(messages)
+        return self.framer.prompt(messages), SampleImages()
+
+    def turn(
+        self, completion_ids: Sequence[int], observations: Sequence[Message], *, system: bool
+    ) -> tuple[list[int], SampleImages] | None:
+        """The ids (and images) appended after a completion; None: re-render the whole."""
+        if self.image_framer is not None and message_images(observations):
+            return self.image_framer.turn(completion_ids, observations, system=system)
+        ids = self.framer.turn_ids(completion_ids, observations, system=system)
+        return None if ids is None else (ids, SampleImages())
+
+    def images(self, reply: EnvReply) -> list[Any]:
+        """The reply's images, decoded, for the policy to see (none: an empty list).
+
+        Raises:
+            ImageObservationError: an image does not decode, there are more than
+                ``max_images``, or the policy is text-only (no processor).
+        """
+        raw = reply_images(reply.observation, reply.metadata, self.image_field)
+        if not raw:
+            return []
+        count = f"{len(raw)} image{'s' if len(raw) > 1 else ''}"
+        if self.image_framer is None:
+            raise ImageObservationError(
+                f"the env sent {count} but the policy is text-only (the harness has no "
+                "vision_processor): use a vision-language model (its processor as "
+                "vision_processor), or an env that sends text only"
+            )
+        if self.max_images is not None and len(raw) > self.max_images:
+            raise ImageObservationError(
+                f"the env sent {count} in one observation, more than segment_max_images="
+                f"{self.max_images}: raise segment_max_images, or send fewer images per "
+                "observation"
+            )
+        return [
+            decode_image(value, where=f"observation image {i + 1} of {len(raw)}")
+            for i, value in enumerate(raw)
+        ]
+
+    def env_info(self, reply: EnvReply) -> dict[str, Any]:
+        """The env's info without the images it carries (they go to the policy)."""
+        info = dict(reply.metadata)
+        if self.image_field is None:
+            info.pop(IMAGES_FIELD, None)
+        return info

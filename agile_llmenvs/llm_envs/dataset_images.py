@@ -44,10 +44,9 @@ def decode_cell(values: Sequence[Any], *, where: str, root: Path | None) -> list
     """
     images = []
     for i, value in enumerate(values):
+        # os.path.isfile, not Path.is_file: a long base64 string is no path, and no error
         if isinstance(value, str) and root is not None and os.path.isfile(root / value):
-            value = (
-                root / value
-            ).read_bytes()  # isfile, not Path.is_file: a long base64 is no path
+            value = (root / value).read_bytes()
         images.append(decode_image(value, where=f"{where} image {i + 1} of {len(values)}"))
     return images
 

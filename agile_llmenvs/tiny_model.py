@@ -214,20 +214,24 @@ def build_in_place(
     *,
     overwrite: bool,
 ) -> None:
-    """Run ``write`` (which ends with the marker) into a sibling temporary directory, then
-    rename it to ``out``: an interrupted build never looks finished."""
+    """Run ``write`` into a sibling temporary directory, write the marker last, then rename it
+    to ``out``: an interrupted build never looks finished."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()  # unlike mkdtemp, honours the umask: the cache may be shared
     try:
         write(tmp, args)
+        (tmp / MARKER_FILE).write_text(json.dumps(args, indent=2) + "\n", encoding="utf-8")
+        file_mode = tmp.stat().st_mode & 0o666
+        for file in tmp.iterdir():  # some writers create files 0600
+            file.chmod(file_mode)
         _move_into_place(tmp, out, args, overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write_build(tmp: Path, args: dict[str, Any]) -> None:
-    """Write the tokenizer, the model and, last, the marker into the new directory ``tmp``."""
+    """Write the tokenizer and the model into the new directory ``tmp``."""
     tokenizer = _build_tokenizer(args["vocab_size"])
     tokenizer.save_pretrained(tmp)
     _qwen2_tokenizer_config(tmp / "tokenizer_config.json")
@@ -235,10 +239,6 @@ def _write_build(tmp: Path, args: dict[str, Any]) -> None:
         tokenizer, seed=args["seed"], hidden_size=args["hidden_size"], layers=args["num_layers"]
     )
     model.save_pretrained(tmp, safe_serialization=True)
-    (tmp / MARKER_FILE).write_text(json.dumps(args, indent=2) + "\n", encoding="utf-8")
-    file_mode = tmp.stat().st_mode & 0o666
-    for file in tmp.iterdir():  # some writers create files 0600
-        file.chmod(file_mode)
 
 
 def _move_into_place(tmp: Path, out: Path, args: dict[str, Any], overwrite: bool) -> None:

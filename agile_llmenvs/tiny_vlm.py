@@ -22,7 +22,6 @@ from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.tiny_model import (
     ENDOFTEXT,
     IM_END,
-    MARKER_FILE,
     _build_tokenizer,
     _qwen2_tokenizer_config,
     _read_marker,
@@ -146,10 +145,6 @@ def _build(tmp: Path, args: dict[str, Any]) -> None:
     ids = {"bos_token_id": pad, "eos_token_id": eos, "pad_token_id": pad}
     model.generation_config = GenerationConfig(**ids)
     model.save_pretrained(tmp, safe_serialization=True)
-    (tmp / MARKER_FILE).write_text(json.dumps(args, indent=2) + "\n", encoding="utf-8")
-    file_mode = tmp.stat().st_mode & 0o666
-    for file in tmp.iterdir():
-        file.chmod(file_mode)
 
 
 def _mrope(head_dim: int) -> list[int]:

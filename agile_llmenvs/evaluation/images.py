@@ -27,7 +27,7 @@ from agile_llmenvs.core.images import ImagePrompt
 from agile_llmenvs.errors import EvaluationError
 from agile_llmenvs.llm_envs.framing import ChatFramer
 from agile_llmenvs.llm_envs.image_framing import ImageFramer, message_images
-from agile_llmenvs.transport.images import ImageObservationError, decode_image
+from agile_llmenvs.transport.images import ImageObservationError, decode_image, image_count
 
 __all__ = ["ImageChatBackend", "shown_images"]
 
@@ -124,7 +124,7 @@ def shown_images(backend: Any, raw: Sequence[Any]) -> list[Any]:
             episode fails, the run goes on.
         EvaluationError: ``backend`` cannot take images at all: the run stops.
     """
-    count = f"{len(raw)} image{'s' if len(raw) != 1 else ''}"
+    count = image_count(len(raw))
     name = type(backend).__name__
     if not getattr(backend, "shows_images", False):
         supports = getattr(backend, "supports_images", None)

@@ -22,7 +22,7 @@ from agile_llmenvs.errors import BackendError, EvaluationError
 from agile_llmenvs.evaluation.images import shown_images
 from agile_llmenvs.evaluation.results import BatchResult, StopReason, Trajectory, Turn
 from agile_llmenvs.llm_envs.image_framing import with_images
-from agile_llmenvs.transport.images import IMAGES_FIELD, ImageObservationError, reply_images
+from agile_llmenvs.transport.images import IMAGES_FIELD, ImageObservationError, image_values
 
 __all__ = [
     "Progress",
@@ -269,8 +269,7 @@ class TrajectoryRunner:
         except Exception as exc:
             rollout.stop_reason, rollout.error = StopReason.ENV_ERROR, _describe(exc)
             return rollout
-        self._show(rollout, 0, reply_images({}, rollout.last_info))
-        rollout.last_info.pop(IMAGES_FIELD, None)
+        self._show(rollout, 0, image_values(rollout.last_info.pop(IMAGES_FIELD, None)))
         return rollout
 
     def messages(self, rollout: Rollout) -> list[Message]:
@@ -308,8 +307,8 @@ class TrajectoryRunner:
             self._end(rollout, StopReason.ENV_ERROR, _describe(exc))
             return
         info = dict(result.info)
-        images = reply_images({}, info)
-        info.pop(IMAGES_FIELD, None)  # they go to the policy, with the observation
+        # they go to the policy, with the observation
+        images = image_values(info.pop(IMAGES_FIELD, None))
         rollout.state, rollout.last_info = result.next_state, dict(info)
         rollout.turns.append(Turn(action, result.next_state.observation, result.reward, info))
         if result.terminated:

@@ -25,11 +25,16 @@ from typing import Any, TypeVar
 
 from agile_llmenvs.errors import EnvError
 from agile_llmenvs.llm_envs.framing import ChatFramer
-from agile_llmenvs.llm_envs.image_framing import content_text, message_images, with_images
+from agile_llmenvs.llm_envs.image_framing import (
+    PromptRenderer,
+    content_text,
+    message_images,
+    with_images,
+)
 from agile_llmenvs.llm_envs.tool_calls import ToolCall, parse_tool_calls, strip_reasoning
 from agile_llmenvs.transport.calls import CallPolicy
 from agile_llmenvs.transport.client import InProcessEnvClient
-from agile_llmenvs.transport.images import IMAGES_FIELD, ImageObservationError
+from agile_llmenvs.transport.images import ImageObservationError
 from agile_llmenvs.transport.types import EnvReply
 
 __all__ = [
@@ -177,9 +182,9 @@ class ActionPlayer:
         config: The harness's settings (``mcp_tool``, ``action_field``,
             ``tool_call_parser``, ``strip_reasoning``, ``reasoning_delimiters``,
             ``action_error_field``, ``malformed_tool_call_reward``).
-        images: Decodes a reply's images for the policy (raises
+        renderer: What the policy is shown of a reply: its images, decoded (an
             :class:`~agile_llmenvs.transport.images.ImageObservationError` for images it
-            cannot show); None: replies show none.
+            cannot show), and its info without them.
     """
 
     def __init__(
@@ -188,11 +193,11 @@ class ActionPlayer:
         observation_text: Callable[[EnvReply], str],
         config: Any,
         *,
-        images: Callable[[EnvReply], list[Any]] | None = None,
+        renderer: PromptRenderer,
     ) -> None:
         self.framer, self.config = framer, config
         self.observation_text = observation_text
-        self.images = images
+        self.renderer = renderer
         self.delimiters = config.reasoning_delimiters or framer.reasoning or _DEFAULT_REASONING
         strip = config.strip_reasoning
         self.strip = framer.reasoning is not None if strip is None else bool(strip)
@@ -261,9 +266,7 @@ class ActionPlayer:
             reply: EnvReply = yield call
         except EnvError as exc:
             return ActionOutcome(0.0, {"error": f"{type(exc).__name__}: {exc}"})
-        info = dict(reply.metadata)
-        if getattr(self.config, "image_field", None) is None:
-            info.pop(IMAGES_FIELD, None)  # shown to the policy, not kept in the info
+        info = self.renderer.env_info(reply)
         field_name = self.config.action_error_field
         if field_name:
             error = reply.observation.get(field_name) or reply.metadata.get(field_name)
@@ -273,7 +276,7 @@ class ActionPlayer:
         if reply.done:
             return ActionOutcome(reward, info, [{"role": "user", "content": ""}], reply)
         try:
-            images = self.images(reply) if self.images is not None else []
+            images = self.renderer.images(reply)
         except ImageObservationError as exc:
             info["error"] = f"{type(exc).__name__}: {exc}"
             return ActionOutcome(reward, info, [], reply)

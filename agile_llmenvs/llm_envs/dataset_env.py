@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from agile_llmenvs.llm_envs.dataset_images import (
     IMAGES_COLUMN,
-    cell_images,
     decode_cell,
     show_images,
 )
@@ -30,7 +29,7 @@ from agile_llmenvs.llm_envs.framing import ChatFramer, ChatTemplateError, apply_
 from agile_llmenvs.llm_envs.image_framing import ImageFramer
 from agile_llmenvs.llm_envs.rows import DatasetError, require_columns
 from agile_llmenvs.llm_envs.tasks import TaskAssigner
-from agile_llmenvs.transport.images import ImageObservationError
+from agile_llmenvs.transport.images import ImageObservationError, image_count, image_values
 
 if TYPE_CHECKING:
     import torch
@@ -430,10 +429,10 @@ class _RowTokenizer:
         self, messages: list[dict[str, Any]], cell: Any, where: str
     ) -> tuple[dict[str, Any], ...] | None:
         """The prompt's messages showing the row's images, decoded; None if it shows none."""
-        values = cell_images(cell)
+        values = image_values(cell)
         if not values:
             return None
-        count = f"{len(values)} image{'s' if len(values) > 1 else ''}"
+        count = image_count(len(values))
         if not self.allow_images:
             raise DatasetError(
                 f"{where} shows {count}, but preference (DPO) training on images is not "

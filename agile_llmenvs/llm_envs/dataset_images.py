@@ -20,19 +20,10 @@ from agile_llmenvs.llm_envs.image_framing import with_images
 from agile_llmenvs.llm_envs.rows import DatasetError
 from agile_llmenvs.transport.images import decode_image
 
-__all__ = ["IMAGES_COLUMN", "cell_images", "decode_cell", "show_images"]
+__all__ = ["IMAGES_COLUMN", "decode_cell", "show_images"]
 
 #: The column of a row's images.
 IMAGES_COLUMN = "images"
-
-
-def cell_images(cell: Any) -> list[Any]:
-    """The raw image values of an ``images`` cell, in order (not decoded)."""
-    if cell is None:
-        return []
-    if isinstance(cell, str | bytes | bytearray) or not isinstance(cell, Sequence):
-        return [cell]
-    return list(cell)
 
 
 def decode_cell(values: Sequence[Any], *, where: str, root: Path | None) -> list[Any]:

@@ -202,7 +202,7 @@ class RolloutHarness:
             image_field=self.config.image_field,
         )
         self.player = ActionPlayer(
-            self.framer, self._observation_text, self.config, images=self.renderer.images
+            self.framer, self._observation_text, self.config, renderer=self.renderer
         )
         self.async_calls = _ASYNC_CALLS
         self.eval = False

@@ -21,6 +21,7 @@ from agile_llmenvs.transport.images import (
     IMAGES_FIELD,
     ImageObservationError,
     decode_image,
+    image_count,
     reply_images,
 )
 from agile_llmenvs.transport.types import EnvReply
@@ -171,7 +172,7 @@ class PromptRenderer:
         raw = reply_images(reply.observation, reply.metadata, self.image_field)
         if not raw:
             return []
-        count = f"{len(raw)} image{'s' if len(raw) > 1 else ''}"
+        count = image_count(len(raw))
         if self.image_framer is None:
             raise ImageObservationError(
                 f"the env sent {count} but the policy is text-only (the harness has no "

@@ -149,7 +149,7 @@ def setup_run(manifest: RunManifest, output_dir: Path, resume: bool) -> GRPORun:
                 manifest, output_dir, tokenizer, collector, params, start_step
             )
             server.sync(policy, version=start_step)  # the checkpoint's, or the adapters merged in
-        held_out = HeldOutEval.build(manifest, tokenizer, max_model_len, accelerator)
+        held_out = HeldOutEval.build(manifest, tokenizer, max_model_len, accelerator, processor)
     except BaseException:
         if server is not None:
             server.close()

@@ -51,11 +51,16 @@ class HeldOutEval:
 
     @classmethod
     def build(
-        cls, manifest: RunManifest, tokenizer: Any, max_model_len: int, accelerator: Any
+        cls,
+        manifest: RunManifest,
+        tokenizer: Any,
+        max_model_len: int,
+        accelerator: Any,
+        processor: Any = None,
     ) -> HeldOutEval | None:
-        """The run's evaluation, or ``None`` when ``training.eval_every`` is 0."""
+        """The run's evaluation, or ``None`` when ``training.eval_every`` is 0
+        (``processor``: a vision-language policy's, shown the env's images)."""
         from agile_llmenvs.envs import make_rollout_env_factory
-        from agile_llmenvs.training.common import vision_processor
 
         config = manifest.training
         assert config is not None
@@ -70,7 +75,7 @@ class HeldOutEval:
             max_output_tokens=config.max_new_tokens,
             seed=manifest.seed,
             split="test" if spec.source == "dataset" else "train",
-            vision_processor=vision_processor(manifest.model),
+            vision_processor=processor,
         )
         world = accelerator.num_processes
         tasks = -(-config.eval_tasks // world) * world  # a multiple of the processes

@@ -21,6 +21,8 @@ __all__ = [
     "ImageObservationError",
     "decode_image",
     "encode_image",
+    "image_count",
+    "image_values",
     "reply_images",
 ]
 
@@ -97,6 +99,21 @@ def encode_image(value: Any, *, where: str = "image") -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+def image_values(value: Any) -> list[Any]:
+    """The raw image values a field holds, in order: none for None, one for a single value
+    (a string, bytes, an image or an array), else the sequence's items."""
+    if value is None:
+        return []
+    if isinstance(value, str | bytes | bytearray) or not isinstance(value, Sequence):
+        return [value]
+    return list(value)
+
+
+def image_count(count: int) -> str:
+    """``"1 image"``, ``"3 images"``: how errors count images."""
+    return f"{count} image{'' if count == 1 else 's'}"
+
+
 def reply_images(
     observation: Mapping[str, Any], metadata: Mapping[str, Any], field: str | None = None
 ) -> list[Any]:
@@ -118,8 +135,4 @@ def reply_images(
         value = observation.get(IMAGES_FIELD)
         if value is None:
             value = metadata.get(IMAGES_FIELD)
-    if value is None:
-        return []
-    if isinstance(value, str | bytes | bytearray) or not isinstance(value, Sequence):
-        return [value]
-    return list(value)
+    return image_values(value)

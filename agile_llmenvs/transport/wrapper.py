@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from agile_llmenvs.transport._openenv import Environment, EnvironmentMetadata
-from agile_llmenvs.transport.images import IMAGES_FIELD, encode_image, reply_images
+from agile_llmenvs.transport.images import IMAGES_FIELD, encode_image, image_values
 from agile_llmenvs.transport.protocol import text_observation_frame
 from agile_llmenvs.transport.types import TextAction, TextObservation, TextState
 
@@ -191,7 +191,7 @@ def _on_the_wire(fields: dict[str, Any]) -> dict[str, Any]:
     if IMAGES_FIELD not in metadata:
         return fields
     raw = metadata[IMAGES_FIELD]
-    values = reply_images({}, metadata)
+    values = image_values(raw)
     single = len(values) == 1 and values[0] is raw
     fields["images"] = [
         encode_image(value, where="info['images']" if single else f"info['images'][{i}]")

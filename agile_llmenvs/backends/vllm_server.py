@@ -75,8 +75,9 @@ class VLLMServerBackend(LocalChatBackend):
     then gets no requests for 5 s (unless every server is down), after which it is tried
     again.
 
-    Weight sync (:meth:`sync_weights`): the weights go to a safetensors file in
-    ``weights_dir``, and each server reloads it through ``POST /collective_rpc`` calling the
+    Weight sync (:meth:`sync_weights`): the weights go to a folder of safetensors files in
+    ``weights_dir`` (one per training process: :mod:`~agile_llmenvs.training.weight_files`),
+    and each server reloads it, tensor by tensor, through ``POST /collective_rpc`` calling the
     worker extension :class:`~agile_llmenvs.training.vllm_engine.WeightSyncWorker`'s
     ``load_policy_weights_from`` (vLLM's in-place ``reload_weights``), then
     ``POST /reset_prefix_cache``. vLLM's own ``/update_weights`` needs a weight-transfer
@@ -126,7 +127,7 @@ class VLLMServerBackend(LocalChatBackend):
         self._model = model
         self._own_weights_dir = weights_dir is None
         self._weights_dir = Path(weights_dir) if weights_dir is not None else None
-        self._weights_file: Path | None = None
+        self._weights_folder: Path | None = None
         self._version = 0
         self._next = 0  # where the round robin (and least_loaded's ties) resume
         self._session: aiohttp.ClientSession | None = None
@@ -323,7 +324,9 @@ class VLLMServerBackend(LocalChatBackend):
         new weights (each token's log-prob is still the one it was sampled with).
 
         Args:
-            policy: A Hugging Face causal LM of the served architecture, or a peft model.
+            policy: A Hugging Face causal LM of the served architecture, or a peft model,
+                held whole by this process (several training processes sync through
+                :class:`~agile_llmenvs.training.server_sync.ServerWeightSync`).
             version: The version the servers hold after; ``None``: one more than now.
 
         Returns:
@@ -333,10 +336,33 @@ class VLLMServerBackend(LocalChatBackend):
             GenerationServerError: A server could not load them (it names the first); the
                 version is left as it was.
         """
+        from agile_llmenvs.training.weight_files import local_weights, write_weights
+
         start = time.perf_counter()
-        path = self._write_weights(policy)
+        version = self._version + 1 if version is None else version
+        folder = self.weights_folder(version)
+        write_weights(folder, local_weights(policy))
+        self.load_weights_from(folder, version=version)
+        return time.perf_counter() - start
+
+    def weights_folder(self, version: int) -> Path:
+        """The folder a sync of ``version`` is written to (in ``weights_dir``)."""
+        if self._weights_dir is None:
+            self._weights_dir = Path(tempfile.mkdtemp(prefix="agile-llmenvs-weights-"))
+        return self._weights_dir / f"policy-{os.getpid()}-{id(self):x}-v{version}"
+
+    def load_weights_from(self, folder: str | os.PathLike[str], *, version: int) -> None:
+        """Have every server reload its weights from ``folder`` (written by
+        :func:`~agile_llmenvs.training.weight_files.write_weights`, by one process or by
+        each of several), then hold ``version``; the previous sync's folder is removed.
+
+        Raises:
+            GenerationServerError: A server could not load them (it names the first); the
+                version is left as it was.
+        """
+        folder = Path(folder)
         results = _session_loop().run(
-            _gather_errors([self._reload_on(server, str(path)) for server in self._servers])
+            _gather_errors([self._reload_on(server, str(folder)) for server in self._servers])
         )
         failed = [r for r in results if isinstance(r, GenerationServerError)]
         if failed:
@@ -344,31 +370,14 @@ class VLLMServerBackend(LocalChatBackend):
             raise GenerationServerError(
                 f"weight sync failed on {names}: {failed[0]}", url=failed[0].url
             ) from failed[0]
-        if self._weights_file is not None and self._weights_file != path:
-            self._weights_file.unlink(missing_ok=True)
-        self._weights_file = path
-        self._version = self._version + 1 if version is None else version
-        return time.perf_counter() - start
+        if self._weights_folder is not None and self._weights_folder != folder:
+            shutil.rmtree(self._weights_folder, ignore_errors=True)
+        self._weights_folder = folder
+        self.set_version(version)
 
-    def _write_weights(self, policy: Any) -> Path:
-        from safetensors.torch import save_file
-
-        from agile_llmenvs.training.lora import merged_weights
-
-        if self._weights_dir is None:
-            self._weights_dir = Path(tempfile.mkdtemp(prefix="agile-llmenvs-weights-"))
-        self._weights_dir.mkdir(parents=True, exist_ok=True)
-        weights = {
-            name: tensor.detach().to("cpu").contiguous()
-            for name, tensor in merged_weights(policy).items()
-        }
-        path = (
-            self._weights_dir / f"policy-{os.getpid()}-{id(self):x}-{self._version + 1}.safetensors"
-        )
-        partial = path.with_suffix(".partial")
-        save_file(weights, str(partial))
-        partial.replace(path)  # a server never reads a half-written file
-        return path
+    def set_version(self, version: int) -> None:
+        """Record that the servers hold ``version`` (another training process synced them)."""
+        self._version = version
 
     async def _reload_on(self, server: _Server, path: str) -> None:
         session = self._client()
@@ -388,7 +397,7 @@ class VLLMServerBackend(LocalChatBackend):
         if self._own_weights_dir and self._weights_dir is not None:
             shutil.rmtree(self._weights_dir, ignore_errors=True)
             self._weights_dir = None
-            self._weights_file = None
+            self._weights_folder = None
 
 
 def _session_loop() -> SessionLoop:

@@ -346,8 +346,6 @@ class TrainingSpec(BaseModel):
                     "`generation_backend: vllm_server` needs the servers: "
                     "`vllm_server: {urls: [http://127.0.0.1:8000]}`",
                 )
-            if self.fsdp:
-                raise fail("fsdp", "`vllm_server` runs with one training process for now")
             lag = self.vllm_server.sync_every - 1
             if self.max_staleness < lag:
                 raise fail(

@@ -31,6 +31,7 @@ from agile_llmenvs.training.held_out import HeldOutEval
 from agile_llmenvs.training.learner import Learner
 from agile_llmenvs.training.sampling import Sampler
 from agile_llmenvs.training.server_rollouts import ServerRollouts, server_backend
+from agile_llmenvs.training.server_sync import ServerWeightSync
 from agile_llmenvs.training.sharding import GenerationSync, is_sharded
 from agile_llmenvs.training.vllm_engine import PolicyVLLMEngine
 
@@ -121,11 +122,6 @@ def setup_run(manifest: RunManifest, output_dir: Path, resume: bool) -> GRPORun:
         params,
         sync=GenerationSync(accelerator.device) if is_sharded(policy) else None,
     )
-    if config.generation_backend == "vllm_server" and accelerator.num_processes > 1:
-        raise AgileLLMEnvsError(
-            f"training.generation_backend 'vllm_server' runs with one training process, not "
-            f"{accelerator.num_processes}: launch one process"
-        )
     collector = server = None
     try:
         processor = vision_processor(manifest.model)
@@ -146,7 +142,7 @@ def setup_run(manifest: RunManifest, output_dir: Path, resume: bool) -> GRPORun:
             engine.load_weights(policy)  # the checkpoint's, or the adapters merged in
         if config.generation_backend == "vllm_server":
             server = _server_rollouts(
-                manifest, output_dir, tokenizer, collector, params, start_step
+                manifest, output_dir, tokenizer, collector, params, start_step, accelerator
             )
             server.sync(policy, version=start_step)  # the checkpoint's, or the adapters merged in
         held_out = HeldOutEval.build(manifest, tokenizer, max_model_len, accelerator, processor)
@@ -183,24 +179,28 @@ def _server_rollouts(
     collector: RolloutCollector,
     params: SamplingParams,
     start_step: int,
+    accelerator: Any,
 ) -> ServerRollouts:
-    """The producer of rounds from the manifest's servers (``generation_backend:
-    vllm_server``); it starts with the first weight sync."""
+    """This process's producer of rounds from the manifest's servers (``generation_backend:
+    vllm_server``); it starts with the first weight sync. Every training process sends its
+    own share of the requests, and all of them take part in each weight sync."""
     config = training_spec(manifest)
     spec = config.vllm_server
     assert spec is not None  # the training spec's validator asks for it
     backend = server_backend(spec, tokenizer, output_dir)
+    rank = accelerator.process_index
     try:
         return ServerRollouts(
             backend,
             collector,
             params,
-            lambda step: step_seed(manifest.seed, step, rank=0),
+            lambda step: step_seed(manifest.seed, step, rank=rank),
             max_staleness=config.max_staleness,
             sync_every=spec.sync_every,
             start_step=start_step,
             max_steps=config.max_steps,
             dynamic_sampling=config.dynamic_sampling,
+            push_weights=ServerWeightSync(backend, rank=rank, world_size=accelerator.num_processes),
         )
     except BaseException:
         backend.close()

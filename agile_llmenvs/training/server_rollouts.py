@@ -71,6 +71,10 @@ class ServerRollouts:
         max_steps: The run's last step; no round is played past it.
         dynamic_sampling: Refill groups whose rewards are all equal (see
             :meth:`RolloutCollector.collect`).
+        push_weights: Loads ``(policy, version)`` into the servers; ``None``:
+            ``backend.sync_weights`` (one training process). Several processes pass a
+            :class:`~agile_llmenvs.training.server_sync.ServerWeightSync`, which every process
+            calls, so each process's producer waits for the same served versions.
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class ServerRollouts:
         start_step: int,
         max_steps: int,
         dynamic_sampling: bool = False,
+        push_weights: Callable[[Any, int], object] | None = None,
     ) -> None:
         if max_staleness < sync_every - 1:
             raise ValueError(
@@ -96,6 +101,7 @@ class ServerRollouts:
         self.max_staleness, self.sync_every = max_staleness, sync_every
         self.start_step, self.max_steps = start_step, max_steps
         self.dynamic_sampling = dynamic_sampling
+        self._push_weights = push_weights or self._sync_backend
         self._rounds: queue.Queue[Round | _Failed] = queue.Queue()
         self._served = threading.Condition()  # notified at each sync and at close
         self._snapshots: dict[int, dict[str, Any]] = {}  # step -> task state before its round
@@ -110,12 +116,15 @@ class ServerRollouts:
         The first call (the weights the run starts from) also starts the producer.
         """
         start = time.perf_counter()
-        self.backend.sync_weights(policy, version=version)
+        self._push_weights(policy, version)
         with self._served:
             self._served.notify_all()
         if self._thread.ident is None and not self._stop.is_set():  # not started yet
             self._thread.start()
         return time.perf_counter() - start
+
+    def _sync_backend(self, policy: Any, version: int) -> None:
+        self.backend.sync_weights(policy, version=version)
 
     def sync_due(self, step: int) -> bool:
         """Whether the weights after ``step`` steps go to the servers."""

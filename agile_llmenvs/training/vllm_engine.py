@@ -10,6 +10,8 @@ collective transport instead.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from agile_llmenvs.errors import AgileLLMEnvsError
@@ -96,25 +98,41 @@ class WeightSyncWorker:
         """
         from safetensors.torch import load
 
-        return self._reload(load(bytes(payload)))
+        return self._reload(load(bytes(payload)).items())
 
     def load_policy_weights_from(self, path: str) -> int:
-        """Reload the model's weights from a safetensors file of Hugging Face names (what
-        :meth:`~agile_llmenvs.backends.VLLMServerBackend.sync_weights` writes; a server's
-        ``/collective_rpc`` passes string arguments only).
+        """Reload the model's weights from a folder of safetensors files of Hugging Face
+        names (what :meth:`~agile_llmenvs.backends.VLLMServerBackend.sync_weights` and
+        :class:`~agile_llmenvs.training.server_sync.ServerWeightSync` write: one file per
+        training process, a sharded tensor's rows split over them), streamed tensor by
+        tensor; or from one safetensors file. A server's ``/collective_rpc`` passes string
+        arguments only.
 
         Returns:
             How many tensors came.
         """
         from safetensors.torch import load_file
 
-        return self._reload(load_file(path))
+        from agile_llmenvs.training.weight_files import read_weights
 
-    def _reload(self, weights: dict[str, Any]) -> int:
+        source = Path(path)
+        if source.is_dir():
+            return self._reload(read_weights(source))
+        return self._reload(load_file(path).items())
+
+    def _reload(self, weights: Iterable[tuple[str, Any]]) -> int:
         worker: Any = self
-        worker.reload_weights(weights_iterator=iter(weights.items()))
+        count = 0
+
+        def counted() -> Iterator[tuple[str, Any]]:
+            nonlocal count
+            for item in weights:
+                count += 1
+                yield item
+
+        worker.reload_weights(weights_iterator=counted())
         _reprocess_tied_heads(worker.model_runner.model)
-        return len(weights)
+        return count
 
 
 def _reprocess_tied_heads(model: Any) -> None:

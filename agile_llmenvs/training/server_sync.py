@@ -1,0 +1,76 @@
+"""Weight syncs to ``vllm serve`` processes from every training process of a run.
+
+Each process writes its own file of the sync's folder (its shard of an FSDP-sharded policy,
+or, for a policy every process holds whole, nothing but rank 0's copy:
+:mod:`~agile_llmenvs.training.weight_files`), so nothing is gathered and no process holds a
+second copy of the model. Once every file is written, rank 0 asks each server to reload the
+folder, and every process learns the outcome from rank 0: each then records the new version
+(so every process's producer sees the same served version before its next round), or each
+raises the same :class:`~agile_llmenvs.errors.GenerationServerError`, so no process is left
+waiting in a collective.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agile_llmenvs.errors import GenerationServerError
+from agile_llmenvs.training.sharding import is_sharded
+from agile_llmenvs.training.weight_files import local_weights, write_weights
+
+__all__ = ["ServerWeightSync"]
+
+
+class ServerWeightSync:
+    """Loads the policy's weights into the servers of ``backend``; call it on every process.
+
+    Args:
+        backend: This process's :class:`~agile_llmenvs.backends.VLLMServerBackend` (each
+            process has one; rank 0's reaches the servers for the sync).
+        rank: This process.
+        world_size: The run's training processes.
+    """
+
+    def __init__(self, backend: Any, *, rank: int, world_size: int) -> None:
+        self.backend, self.rank, self.world_size = backend, rank, world_size
+
+    def __call__(self, policy: Any, version: int) -> None:
+        """Sync ``policy`` (the unwrapped model, sharded or whole) as ``version``.
+
+        Raises:
+            GenerationServerError: A server could not load the weights (on every process).
+        """
+        if self.world_size == 1:
+            self.backend.sync_weights(policy, version=version)
+            return
+        mine = str(self.backend.weights_folder(version)) if self.rank == 0 else None
+        folder = Path(_from_rank_0(mine))
+        write_weights(
+            folder,
+            local_weights(policy),
+            rank=self.rank,
+            world_size=self.world_size,
+            sharded=is_sharded(policy),
+        )
+        torch.distributed.barrier()  # every file is in place
+        failure: tuple[str, str] | None = None
+        if self.rank == 0:
+            try:
+                self.backend.load_weights_from(folder, version=version)
+            except GenerationServerError as exc:
+                failure = (str(exc), exc.url)
+        failure = _from_rank_0(failure)
+        if failure is not None:
+            message, url = failure
+            raise GenerationServerError(message, url=url)
+        self.backend.set_version(version)
+
+
+def _from_rank_0(value: Any) -> Any:
+    """Rank 0's ``value``, on every process."""
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]

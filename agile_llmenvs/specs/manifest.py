@@ -122,6 +122,12 @@ class VLLMGenerationSpec(BaseModel):
     enforce_eager: bool = Field(
         False, description="Skip graph capture: a faster start, slower generation."
     )
+    sleep_between_steps: bool = Field(
+        False,
+        description="Put the engine to sleep (vLLM's sleep mode: KV cache dropped, weights "
+        "moved to host memory) while the trainer learns, so learning has the GPU's memory; "
+        "needs a GPU.",
+    )
 
 
 class VLLMServerSpec(BaseModel):
@@ -363,8 +369,6 @@ class TrainingSpec(BaseModel):
             )
         if self.fsdp and self.lora is not None:
             raise fail("fsdp", "sharding a LoRA policy is not supported yet: drop one of them")
-        if self.fsdp and self.generation_backend == "vllm":
-            raise fail("fsdp", "vLLM generation runs in one process; FSDP needs several")
         if self.eval_every and self.algorithm != "grpo":
             raise fail(
                 "eval_every", f"evaluation during training runs for grpo, not {self.algorithm!r}"

@@ -295,6 +295,8 @@ def _collect(
     with torch.no_grad():
         rollout = run.collector.collect(run.sampler, dynamic_sampling=config.dynamic_sampling)
         run.sampler.drain()
+    if run.engine is not None:  # learning has the device (sleep_between_steps)
+        run.engine.sleep()
     rewards_GN = torch.tensor([t.reward for t in rollout.trajectories])
     return rollout, rewards_GN.view(-1, config.group_size), run.sampler.seconds
 

@@ -109,7 +109,10 @@ def setup_run(manifest: RunManifest, output_dir: Path, resume: bool) -> GRPORun:
             manifest,
             config.vllm or VLLMGenerationSpec(),
             max_model_len=max_model_len,
+            rank=accelerator.process_index,
             num_processes=accelerator.num_processes,
+            device=accelerator.device,
+            weights_dir=output_dir / "weights-sync",
         )
     params = SamplingParams(
         max_tokens=config.max_new_tokens,
@@ -117,10 +120,11 @@ def setup_run(manifest: RunManifest, output_dir: Path, resume: bool) -> GRPORun:
         top_p=config.top_p,
         top_k=config.top_k,
     )
+    # an engine per process generates alone; generate on a sharded policy pairs the processes
     sampler = Sampler(
         engine.backend if engine else HFBackend.from_model(policy, tokenizer),
         params,
-        sync=GenerationSync(accelerator.device) if is_sharded(policy) else None,
+        sync=GenerationSync(accelerator.device) if is_sharded(policy) and not engine else None,
     )
     collector = server = None
     try:

@@ -21,7 +21,7 @@ from agile_llmenvs.errors import GenerationServerError
 from agile_llmenvs.training.sharding import is_sharded
 from agile_llmenvs.training.weight_files import local_weights, write_weights
 
-__all__ = ["ServerWeightSync"]
+__all__ = ["ServerWeightSync", "write_shared_folder"]
 
 
 class ServerWeightSync:
@@ -46,16 +46,8 @@ class ServerWeightSync:
         if self.world_size == 1:
             self.backend.sync_weights(policy, version=version)
             return
-        mine = str(self.backend.weights_folder(version)) if self.rank == 0 else None
-        folder = Path(_from_rank_0(mine))
-        write_weights(
-            folder,
-            local_weights(policy),
-            rank=self.rank,
-            world_size=self.world_size,
-            sharded=is_sharded(policy),
-        )
-        torch.distributed.barrier()  # every file is in place
+        proposed = self.backend.weights_folder(version) if self.rank == 0 else None
+        folder = write_shared_folder(policy, proposed, rank=self.rank, world_size=self.world_size)
         failure: tuple[str, str] | None = None
         if self.rank == 0:
             try:
@@ -67,6 +59,28 @@ class ServerWeightSync:
             message, url = failure
             raise GenerationServerError(message, url=url)
         self.backend.set_version(version)
+
+
+def write_shared_folder(policy: Any, proposed: Path | None, *, rank: int, world_size: int) -> Path:
+    """Write this process's file of a sync folder, and return the folder once every process
+    has written its own (call it on every process).
+
+    Args:
+        policy: The unwrapped policy, sharded by FSDP2 or held whole by every process.
+        proposed: The folder, on rank 0 (the other processes learn it from rank 0).
+        rank: This process.
+        world_size: The run's training processes.
+    """
+    folder = Path(_from_rank_0(None if proposed is None else str(proposed)))
+    write_weights(
+        folder,
+        local_weights(policy),
+        rank=rank,
+        world_size=world_size,
+        sharded=is_sharded(policy),
+    )
+    torch.distributed.barrier()  # every file is in place
+    return folder
 
 
 def _from_rank_0(value: Any) -> Any:

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from whole_policy import whole_copy
 
 from agile_llmenvs.backends.hf import HFBackend
 from agile_llmenvs.backends.types import SamplingParams
 from agile_llmenvs.specs import load_manifest
 from agile_llmenvs.training import train_grpo
 from agile_llmenvs.training.server_rollouts import Round, ServerRollouts
-from agile_llmenvs.training.sharding import is_sharded
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 DIGITS = ("Say the digit 3.", "Say the digit 7.", "What is 2 + 2? Answer with a digit.")
@@ -30,24 +30,6 @@ DIGITS = ("Say the digit 3.", "Say the digit 7.", "What is 2 + 2? Answer with a 
 syncs: list[dict[str, Any]] = []
 rounds: list[tuple[int, list[int | None]]] = []
 state: dict[str, Any] = {}
-
-
-def _unsharded(policy: Any) -> Any:
-    """Rank 0's whole copy of ``policy`` (every rank takes part in the gathers); ``None`` on
-    the other ranks. A policy that is not sharded is its own copy."""
-    rank = torch.distributed.get_rank()
-    if not is_sharded(policy):
-        return policy if rank == 0 else None
-    whole = [p.full_tensor().detach().clone() for p in policy.parameters()]
-    if rank != 0:
-        return None
-    from transformers import AutoModelForCausalLM
-
-    copy = AutoModelForCausalLM.from_pretrained(state["model_dir"])
-    with torch.no_grad():
-        for param, value in zip(copy.parameters(), whole, strict=True):
-            param.copy_(value)
-    return copy.eval()
 
 
 real_sync = ServerRollouts.sync
@@ -65,7 +47,7 @@ def _checked_sync(self: ServerRollouts, policy: Any, version: int) -> float:
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     served = [list(g.token_ids) for g in self.backend.generate(ids, GREEDY)]
     was_training = policy.training
-    whole = _unsharded(policy)
+    whole = whole_copy(policy, state["model_dir"])
     trainer = None
     if whole is not None:
         whole.eval()

@@ -103,3 +103,65 @@ def test_vllm_rollouts_follow_the_policy_weights(
         for a, b in zip(before.logprobs, after.logprobs, strict=False)
     ]
     assert max(moved) > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("fsdp", [False, True], ids=["data-parallel", "fsdp"])
+def test_every_process_engine_follows_the_policy_weights(
+    model_dir: Path, tmp_path: Path, fsdp: bool
+) -> None:
+    import json
+    import shutil
+
+    from training.launch import launch_two
+
+    from agile_llmenvs.specs.manifest import dump_manifest
+
+    if shutil.which("accelerate") is None:
+        pytest.skip("needs the accelerate launcher")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    manifest = load_manifest(HERE.parents[1] / "manifests" / "quickstart.yaml")
+    assert manifest.training is not None
+    training = {
+        **manifest.training.model_dump(exclude_unset=True),
+        "max_steps": 2,
+        "batch_size": 4,  # two groups per process
+        "group_size": 8,
+        "max_new_tokens": 4,
+        "learning_rate": 0.05,
+        "output_dir": str(tmp_path / "run"),
+        "generation_backend": "vllm",
+        "vllm": {"enforce_eager": True},
+        "fsdp": fsdp,
+    }
+    env = {"rubric_file_path": str(HERE / "rubrics.py"), "rubric_name": "digit_share"}
+    manifest = manifest.model_copy(
+        update={
+            "model": ModelSpec(path=str(model_dir), max_model_len=512),
+            "env": manifest.env.model_copy(update=env),
+            "training": TrainingSpec.model_validate(training),
+        }
+    )
+    path = tmp_path / "manifest.yaml"
+    dump_manifest(manifest, path)
+    done = launch_two(HERE / "distributed_vllm_grpo.py", str(path), str(tmp_path), timeout=800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    for record in ranks:
+        assert len(record["loads"]) == 3  # at the start, then after each optimizer step
+        for load in record["loads"]:
+            assert load["engine"] == load["trainer"]
+            for got, want in zip(load["engine_logprobs"], load["trainer_logprobs"], strict=True):
+                assert got == pytest.approx(want, abs=2e-3)
+        # the steps changed the weights: the policy's own log-probs moved
+        first, last = (
+            record["loads"][0]["trainer_logprobs"],
+            record["loads"][-1]["trainer_logprobs"],
+        )
+        moved = [
+            abs(a - b) for x, y in zip(first, last, strict=True) for a, b in zip(x, y, strict=False)
+        ]
+        assert max(moved) > 1e-2
+    assert ranks[0]["loads"][-1]["trainer"] == ranks[1]["loads"][-1]["trainer"]  # one policy

@@ -165,3 +165,22 @@ def test_every_process_engine_follows_the_policy_weights(
         ]
         assert max(moved) > 1e-2
     assert ranks[0]["loads"][-1]["trainer"] == ranks[1]["loads"][-1]["trainer"]  # one policy
+
+
+def test_sleeping_between_steps_is_refused_where_vllm_cannot_sleep(model_dir: Path) -> None:
+    from vllm.platforms import current_platform
+
+    from agile_llmenvs.errors import AgileLLMEnvsError
+    from agile_llmenvs.specs.manifest import VLLMGenerationSpec
+
+    if current_platform.is_sleep_mode_available():
+        pytest.skip("this vLLM can sleep here")
+    manifest = load_manifest(HERE.parents[1] / "manifests" / "quickstart.yaml")
+    manifest = manifest.model_copy(update={"model": ModelSpec(path=str(model_dir))})
+    spec = VLLMGenerationSpec(sleep_between_steps=True)
+    with pytest.raises(AgileLLMEnvsError) as raised:
+        PolicyVLLMEngine(manifest, spec, max_model_len=512)
+    assert str(raised.value) == (
+        f"training.vllm.sleep_between_steps: the installed vLLM cannot sleep on "
+        f"{current_platform.device_name} (sleep mode needs a GPU); set it to false"
+    )

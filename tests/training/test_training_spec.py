@@ -8,11 +8,10 @@ from collections.abc import Callable
 import pytest
 from pydantic import ValidationError
 
-from agile_llmenvs.errors import AgileLLMEnvsError, OptionalDependencyError
+from agile_llmenvs.errors import OptionalDependencyError
 from agile_llmenvs.specs import RunManifest, TrainingSpec
 from agile_llmenvs.specs.manifest import LoRASpec, VLLMGenerationSpec
 from agile_llmenvs.training import train_grpo
-from agile_llmenvs.training.vllm_engine import PolicyVLLMEngine
 
 
 def _message(error: pytest.ExceptionInfo[ValidationError]) -> str:
@@ -79,13 +78,15 @@ def test_vllm_generation_without_vllm_names_the_extra(
     )
 
 
-def test_vllm_generation_refuses_several_processes(
-    make_manifest: Callable[..., RunManifest],
-) -> None:
-    manifest = make_manifest("quickstart.yaml", generation_backend="vllm")
-    with pytest.raises(AgileLLMEnvsError) as raised:
-        PolicyVLLMEngine(manifest, VLLMGenerationSpec(), max_model_len=512, num_processes=2)
-    assert str(raised.value) == (
-        "training.generation_backend 'vllm' runs in a single process, not 2: launch one "
-        "process, or use generation_backend 'hf'"
-    )
+@pytest.mark.parametrize(
+    "generation",
+    [
+        {"generation_backend": "vllm"},
+        {"generation_backend": "vllm", "vllm": {"sleep_between_steps": True}},
+        {"generation_backend": "vllm_server", "vllm_server": {"urls": ["http://127.0.0.1:1"]}},
+    ],
+)
+def test_vllm_generation_takes_a_sharded_policy(generation: dict[str, object]) -> None:
+    spec = TrainingSpec(algorithm="grpo", fsdp=True, **generation)  # type: ignore[arg-type]
+    assert spec.fsdp
+    assert spec.generation_backend == generation["generation_backend"]

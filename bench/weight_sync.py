@@ -1,0 +1,223 @@
+"""Seconds to load a trainer's weights into a running ``vllm serve``, and the trainer's memory
+while a sharded policy is synced.
+
+The model: a random-init Qwen2 of Qwen2.5-0.5B's config (hidden 896, 24 layers, 14 heads,
+2 KV heads, MLP 4,864, vocab 151,936, tied embeddings), fp32, with the built-in tokenizer;
+``--layers`` makes it shallower. Figures:
+
+- ``sync_over_floor``: seconds of ``VLLMServerBackend.sync_weights`` (the trainer writes the
+  sync folder, the server reloads it tensor by tensor and resets its prefix cache, both over
+  HTTP), best of ``--repeats``, over the floor measured in the same run: writing the same
+  bytes to a file in the same folder and reading them back through the page cache. Target
+  <= 1.5.
+- ``sharded_extra_layers``: the highest resident memory of a training process above its
+  memory before the sync, while 2 gloo processes holding the policy sharded by FSDP2 write
+  their files of a sync folder (:func:`~agile_llmenvs.training.server_sync.write_shared_folder`),
+  in decoder layers' worth of weights (one whole layer's bytes). Target <= 2.
+
+The server needs an interpreter with vllm (``$AGILE_LLMENVS_VLLM_PYTHON``), started as the
+tests start theirs (``VLLM_CPU_KVCACHE_SPACE=1`` on a CPU). Last line: JSON.
+
+    AGILE_LLMENVS_VLLM_PYTHON=.ci-venv-vllm/bin/python python bench/weight_sync.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+VOCAB = 151_936
+SYNC_TARGET = 1.5
+MEMORY_TARGET_LAYERS = 2.0
+_CHUNK = 16 << 20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-server", action="store_true", help="the memory figure only")
+    parser.add_argument("--sharded-worker", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.sharded_worker is not None:
+        _sharded_worker(args.sharded_worker)
+        return
+
+    work = Path(tempfile.mkdtemp(prefix="weight-sync-bench-"))
+    try:
+        model_dir = _build_model(work / "model", args.layers)
+        model = _load(model_dir)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        report: dict[str, Any] = {
+            "layers": args.layers,
+            "weight_gb": round(weight_bytes / 1e9, 3),
+            "layer_mb": round(_layer_bytes(model) / 1e6, 1),
+        }
+        if not args.skip_server:
+            report.update(_sync_figures(model, model_dir, work, args.repeats))
+        del model
+        report.update(_sharded_figures(model_dir, work))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(report))
+
+
+def _build_model(path: Path, layers: int) -> Path:
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from agile_llmenvs.tiny_model import ensure_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
+    config = Qwen2Config(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=layers,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _load(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def _layer_bytes(model: Any) -> int:
+    layer = model.model.layers[0]
+    return sum(p.numel() * p.element_size() for p in layer.parameters())
+
+
+def _sync_figures(model: Any, model_dir: Path, work: Path, repeats: int) -> dict[str, Any]:
+    from agile_llmenvs.backends.vllm_launch import VLLMServerProcess, vllm_python
+    from agile_llmenvs.backends.vllm_server import VLLMServerBackend
+
+    python = vllm_python()
+    if python is None:
+        raise SystemExit(
+            "no interpreter with vllm: set AGILE_LLMENVS_VLLM_PYTHON, or pass --skip-server"
+        )
+    weights_dir = work / "sync"
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    server = VLLMServerProcess(model_dir, python=python, env=env).start()
+    try:
+        server.wait_ready(timeout_s=900)  # a 0.5B model takes minutes on 2 cores
+        backend = VLLMServerBackend(server.url, tokenizer=model_dir, weights_dir=weights_dir)
+        try:
+            syncs = [backend.sync_weights(model, version=i + 1) for i in range(repeats)]
+        finally:
+            backend.close()
+    finally:
+        server.stop()
+    floors = [_write_and_read(model, weights_dir / "floor.bin") for _ in range(repeats)]
+    return {
+        "sync_s": [round(s, 3) for s in syncs],
+        "floor_s": [round(s, 3) for s in floors],
+        "sync_over_floor": round(min(syncs) / min(floors), 3),
+        "sync_target": SYNC_TARGET,
+    }
+
+
+def _write_and_read(model: Any, path: Path) -> float:
+    """Seconds to write the weights' bytes to ``path`` and read them back (page cache)."""
+    start = time.perf_counter()
+    with path.open("wb") as out:
+        for param in model.parameters():
+            out.write(param.detach().reshape(-1).view(torch.uint8).numpy().data)
+    buffer = bytearray(_CHUNK)
+    with path.open("rb", buffering=0) as source:
+        while source.readinto(buffer):
+            pass
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return seconds
+
+
+def _sharded_figures(model_dir: Path, work: Path) -> dict[str, Any]:
+    """The memory figure, from 2 gloo processes (this script as ``--sharded-worker``)."""
+    out = work / "sharded"
+    out.mkdir()
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        __file__,
+        "--sharded-worker",
+        str(out),
+    ]
+    env = {**os.environ, "BENCH_MODEL_DIR": str(model_dir), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
+    if done.returncode != 0:
+        raise SystemExit(f"the sharded workers failed:\n{done.stderr[-3000:]}")
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    extra = max(r["extra_bytes"] for r in ranks)
+    return {
+        "sharded_extra_mb": round(extra / 1e6, 1),
+        "sharded_extra_layers": round(extra / ranks[0]["layer_bytes"], 3),
+        "sharded_write_s": round(max(r["seconds"] for r in ranks), 3),
+        "sharded_target_layers": MEMORY_TARGET_LAYERS,
+    }
+
+
+def _sharded_worker(out: Path) -> None:
+    """One of 2 processes: shard the policy, then write this process's file of a sync
+    folder, recording the resident high-water mark above the memory before."""
+    from agile_llmenvs.training.server_sync import write_shared_folder
+    from agile_llmenvs.training.sharding import shard_policy
+
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    model = _load(Path(os.environ["BENCH_MODEL_DIR"]))
+    layer_bytes = _layer_bytes(model)
+    model = shard_policy(model, torch.device("cpu"))
+    torch.distributed.barrier()
+    before = _status_kb("VmRSS") * 1024
+    with open("/proc/self/clear_refs", "w") as file:  # VmHWM restarts from VmRSS
+        file.write("5")
+    start = time.perf_counter()
+    folder = write_shared_folder(
+        model, out / "folder" if rank == 0 else None, rank=rank, world_size=2
+    )
+    seconds = time.perf_counter() - start
+    extra = _status_kb("VmHWM") * 1024 - before
+    record = {"extra_bytes": max(extra, 0), "layer_bytes": layer_bytes, "seconds": seconds}
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    torch.distributed.destroy_process_group()
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as file:
+        for line in file:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+if __name__ == "__main__":
+    main()

@@ -13,6 +13,7 @@ loop thread remote env sessions use (:data:`~agile_llmenvs.transport.session_loo
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import tempfile
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from agile_llmenvs.transport.session_loop import SessionLoop
 
 __all__ = ["Routing", "VLLMServerBackend"]
+
+logger = logging.getLogger(__name__)
 
 Routing = Literal["least_loaded", "round_robin"]
 
@@ -117,6 +120,7 @@ class VLLMServerBackend(LocalChatBackend):
             ) from exc
         self._aiohttp = aiohttp
         self._servers = [_Server(url) for url in _check_urls(urls)]
+        self._retired: tuple[str, ...] = ()
         if routing not in ("least_loaded", "round_robin"):
             raise ValueError(f"routing must be 'least_loaded' or 'round_robin', got {routing!r}")
         if not timeout_s > 0:
@@ -147,7 +151,7 @@ class VLLMServerBackend(LocalChatBackend):
 
     @property
     def urls(self) -> tuple[str, ...]:
-        """The servers' base URLs, in the order given."""
+        """The base URLs of the servers that take requests, in the order given."""
         return tuple(s.url for s in self._servers)
 
     def in_flight(self) -> dict[str, int]:
@@ -333,8 +337,9 @@ class VLLMServerBackend(LocalChatBackend):
             The seconds it took.
 
         Raises:
-            GenerationServerError: A server could not load them (it names the first); the
-                version is left as it was.
+            GenerationServerError: No server could load them (it names the first); the
+                version is left as it was. Servers that fail while others load them are
+                retired (:meth:`load_weights_from`).
         """
         from agile_llmenvs.training.weight_files import local_weights, write_weights
 
@@ -351,13 +356,20 @@ class VLLMServerBackend(LocalChatBackend):
             self._weights_dir = Path(tempfile.mkdtemp(prefix="agile-llmenvs-weights-"))
         return self._weights_dir / f"policy-{os.getpid()}-{id(self):x}-v{version}"
 
-    def load_weights_from(self, folder: str | os.PathLike[str], *, version: int) -> None:
+    def load_weights_from(self, folder: str | os.PathLike[str], *, version: int) -> tuple[str, ...]:
         """Have every server reload its weights from ``folder`` (written by
         :func:`~agile_llmenvs.training.weight_files.write_weights`, by one process or by
         each of several), then hold ``version``; the previous sync's folder is removed.
 
+        A server that fails the reload while others take it would serve the old weights
+        under the new version, so it is retired: it gets no more requests (and no more
+        syncs), and the run goes on with the others.
+
+        Returns:
+            The URLs of the servers retired by this sync (usually none).
+
         Raises:
-            GenerationServerError: A server could not load them (it names the first); the
+            GenerationServerError: No server could load them (it names the first); the
                 version is left as it was.
         """
         folder = Path(folder)
@@ -365,15 +377,41 @@ class VLLMServerBackend(LocalChatBackend):
             _gather_errors([self._reload_on(server, str(folder)) for server in self._servers])
         )
         failed = [r for r in results if isinstance(r, GenerationServerError)]
-        if failed:
+        if len(failed) == len(self._servers):
             names = ", ".join(e.url for e in failed)
             raise GenerationServerError(
                 f"weight sync failed on {names}: {failed[0]}", url=failed[0].url
             ) from failed[0]
+        for error in failed:
+            logger.warning(
+                "weight sync failed on %s, which now gets no requests: %s", error.url, error
+            )
+        retired = tuple(e.url for e in failed)
+        self.retire(retired)
         if self._weights_folder is not None and self._weights_folder != folder:
             shutil.rmtree(self._weights_folder, ignore_errors=True)
         self._weights_folder = folder
         self.set_version(version)
+        return retired
+
+    def retire(self, urls: Sequence[str]) -> None:
+        """Send no more requests or syncs to the servers at ``urls`` (another training
+        process's sync found them failing); at least one server must be left.
+
+        Raises:
+            ValueError: ``urls`` names every server left.
+        """
+        keep = [s for s in self._servers if s.url not in set(urls)]
+        if not keep:
+            raise ValueError(f"retiring {list(urls)} would leave no server to generate")
+        self._servers = keep
+        self._retired += tuple(u for u in urls if u not in self._retired)
+        self._next %= len(keep)
+
+    @property
+    def retired(self) -> tuple[str, ...]:
+        """The servers a failed weight sync took out of the rotation, in order."""
+        return self._retired
 
     def set_version(self, version: int) -> None:
         """Record that the servers hold ``version`` (another training process synced them)."""

@@ -40,25 +40,31 @@ class ServerWeightSync:
     def __call__(self, policy: Any, version: int) -> None:
         """Sync ``policy`` (the unwrapped model, sharded or whole) as ``version``.
 
+        A server that fails the reload while others take it is retired on every process
+        (:meth:`~agile_llmenvs.backends.VLLMServerBackend.load_weights_from`).
+
         Raises:
-            GenerationServerError: A server could not load the weights (on every process).
+            GenerationServerError: No server could load the weights (on every process).
         """
         if self.world_size == 1:
             self.backend.sync_weights(policy, version=version)
             return
         proposed = self.backend.weights_folder(version) if self.rank == 0 else None
         folder = write_shared_folder(policy, proposed, rank=self.rank, world_size=self.world_size)
-        failure: tuple[str, str] | None = None
+        outcome: dict[str, Any] = {}  # rank 0's: the servers retired, or the failure
         if self.rank == 0:
             try:
-                self.backend.load_weights_from(folder, version=version)
+                outcome["retired"] = self.backend.load_weights_from(folder, version=version)
             except GenerationServerError as exc:
-                failure = (str(exc), exc.url)
-        failure = _from_rank_0(failure)
-        if failure is not None:
-            message, url = failure
+                outcome["failed"] = (str(exc), exc.url)
+        outcome = _from_rank_0(outcome)
+        if "failed" in outcome:
+            message, url = outcome["failed"]
             raise GenerationServerError(message, url=url)
-        self.backend.set_version(version)
+        if self.rank != 0:
+            if outcome["retired"]:
+                self.backend.retire(outcome["retired"])  # the servers rank 0 found failing
+            self.backend.set_version(version)
 
 
 def write_shared_folder(policy: Any, proposed: Path | None, *, rank: int, world_size: int) -> Path:

@@ -353,17 +353,43 @@ def test_sync_weights_merges_lora_adapters(
 
 
 @pytest.mark.vllm_server
-def test_sync_to_a_dead_server_names_it(
-    vllm_server: VLLMServerProcess, vllm_model_dir: Path
+def test_a_server_that_fails_a_sync_is_retired_and_the_rest_serve(
+    vllm_server: VLLMServerProcess, vllm_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from transformers import AutoModelForCausalLM
 
     dead = f"http://127.0.0.1:{free_port()}"
-    backend = VLLMServerBackend([vllm_server.url, dead], tokenizer=vllm_model_dir)
-    with pytest.raises(GenerationServerError, match="weight sync failed on") as raised:
+    backend = VLLMServerBackend([dead, vllm_server.url], tokenizer=vllm_model_dir)
+    try:
+        with caplog.at_level("WARNING", logger="agile_llmenvs.backends.vllm_server"):
+            backend.sync_weights(AutoModelForCausalLM.from_pretrained(vllm_model_dir))
+        assert backend.version == 1
+        assert backend.retired == (dead,)
+        assert backend.urls == (vllm_server.url,)
+        [record] = caplog.records
+        assert record.getMessage().startswith(
+            f"weight sync failed on {dead}, which now gets no requests: {dead}/collective_rpc "
+            "failed: "
+        )
+        results = backend.generate_results(prompts_of(backend, 4), GREEDY)
+        assert all(isinstance(r, Generation) for r in results)  # none went to the dead one
+        assert backend.in_flight() == {vllm_server.url: 0}
+    finally:
+        backend.close()
+
+
+@pytest.mark.vllm_server
+def test_a_sync_no_server_takes_names_them(vllm_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    backend = VLLMServerBackend(dead, tokenizer=vllm_model_dir, model="m")
+    with pytest.raises(GenerationServerError) as raised:
         backend.sync_weights(AutoModelForCausalLM.from_pretrained(vllm_model_dir))
-    assert raised.value.url == dead
+    assert str(raised.value).startswith(f"weight sync failed on {dead[0]}, {dead[1]}: ")
+    assert raised.value.url == dead[0]
     assert backend.version == 0
+    assert backend.urls == tuple(dead)
     backend.close()
 
 

@@ -203,7 +203,11 @@ class HFBackend(LocalChatBackend):
         import torch
         from torch.distributed.fsdp import FSDPModule
 
-        return torch.no_grad() if isinstance(self.model, FSDPModule) else torch.inference_mode()
+        # a LoRA (peft) policy is sharded under its wrapper
+        model = self.model
+        if hasattr(model, "disable_adapter"):
+            model = model.get_base_model()
+        return torch.no_grad() if isinstance(model, FSDPModule) else torch.inference_mode()
 
     def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[Any, Any]:
         import torch

@@ -367,8 +367,6 @@ class TrainingSpec(BaseModel):
                 "rollouts overlap learning only with `generation_backend: vllm_server`; "
                 "set max_staleness: 0 or use the servers",
             )
-        if self.fsdp and self.lora is not None:
-            raise fail("fsdp", "sharding a LoRA policy is not supported yet: drop one of them")
         if self.eval_every and self.algorithm != "grpo":
             raise fail(
                 "eval_every", f"evaluation during training runs for grpo, not {self.algorithm!r}"

@@ -15,7 +15,7 @@ from agile_llmenvs.specs import ModelSpec, RunManifest, TrainingSpec
 from agile_llmenvs.training.learner import Learner
 from agile_llmenvs.training.lora import AdaptersOffReference, apply_lora, is_lora
 from agile_llmenvs.training.optim import check_master_weights, make_optimizer, make_scheduler
-from agile_llmenvs.training.sharding import is_sharded, shard_policy
+from agile_llmenvs.training.sharding import frozen_sharded_copy, is_sharded, shard_policy
 
 __all__ = [
     "TrainResult",
@@ -108,6 +108,10 @@ def prepare_policy(
     """Seed, load the policy (with LoRA adapters when ``config.lora``) and its tokenizer, and
     prepare it on ``accelerate`` with AdamW over its trainable parameters and the schedule.
 
+    With ``config.fsdp`` the policy (a LoRA one included) is sharded by
+    :func:`~agile_llmenvs.training.sharding.shard_policy` rather than wrapped by
+    ``accelerate``; the optimizer holds the shards of its trainable parameters only.
+
     Args:
         manifest: The run.
         config: Its training section.
@@ -159,19 +163,20 @@ def prepare_policy(
 
 def reference_model(policy: Any, device: Any) -> Any:
     """The fixed reference a KL or DPO term measures the policy against: the policy as it
-    starts.
+    starts (call it before any update).
 
-    A LoRA policy's is its own base model with the adapters switched off (no copy); any
-    other's is a frozen copy on ``device``, in eval mode with no gradients.
+    A LoRA policy's is its own base model with the adapters switched off (no copy, sharded or
+    not); a sharded policy's is a frozen copy sharded the same way, filled from the policy's
+    shards (:func:`~agile_llmenvs.training.sharding.frozen_sharded_copy`: no process holds an
+    unsharded copy); any other's is a frozen copy on ``device``. A copy is in eval mode with
+    no gradients. Under FSDP every process must run as many of the reference's forwards:
+    GRPO and DPO pair them (see :mod:`~agile_llmenvs.training.grpo_update` and
+    :class:`~agile_llmenvs.training.dpo.DPOObjective`).
     """
     if is_lora(policy):
         return AdaptersOffReference(policy)
     if is_sharded(policy):
-        raise AgileLLMEnvsError(
-            "a frozen reference (GRPO's `beta`, or DPO) of an FSDP-sharded policy is not "
-            "supported yet: train LoRA adapters (their reference is the base model) or run "
-            "data parallel"
-        )
+        return frozen_sharded_copy(policy, device)
     reference = copy.deepcopy(policy).to(device).eval()
     reference.requires_grad_(False)
     return reference

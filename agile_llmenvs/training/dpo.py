@@ -1,5 +1,6 @@
 """Direct preference optimisation: prefer each row's chosen response, measured against the
-starting model (a frozen copy, or a LoRA policy's base with its adapters off)."""
+starting model (a frozen copy, sharded like the policy under FSDP, or a LoRA policy's base
+with its adapters off)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from agile_llmenvs.specs import RunManifest
 from agile_llmenvs.training.common import TrainResult, reference_model, training_spec
 from agile_llmenvs.training.losses import dpo_loss
+from agile_llmenvs.training.sharding import idle_forward
 from agile_llmenvs.training.supervised import labelled_logps, train_on_dataset
 
 __all__ = ["DEFAULT_DPO_BETA", "DPO_METRICS", "train_dpo"]
@@ -55,7 +57,11 @@ def train_dpo(
 
 class DPOObjective:
     """Each micro-batch's chosen and rejected rows in one forward pass each, for the policy
-    and the reference; the loss is a sum over pairs over the global pair count."""
+    and the reference; the loss is a sum over pairs over the global pair count.
+
+    It runs a reference (:class:`~agile_llmenvs.training.supervised.RunsAReference`): under
+    FSDP a process with fewer micro-batches passes through both models, as :meth:`loss` does.
+    """
 
     def __init__(self, reference: Any, beta: float, chunk_tokens: int) -> None:
         self.reference, self.beta, self.chunk_tokens = reference, beta, chunk_tokens
@@ -85,6 +91,14 @@ class DPOObjective:
         loss_B, margin_B = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=self.beta)
         wins = float((margin_B > 0).sum())
         return loss_B.sum() / max(total_units, 1.0), {"margin": float(margin_B.sum()), "wins": wins}
+
+    def idle_loss(self, model: Any) -> torch.Tensor:
+        """A zero loss through ``model``, then the reference (as :meth:`loss` runs them)."""
+        device = next(model.parameters()).device
+        loss = idle_forward(model, device)
+        with torch.no_grad():
+            idle_forward(self.reference, device)
+        return loss
 
     def metrics(self, sums: dict[str, float], total_units: float) -> dict[str, float]:
         """Mean margin, and the share of pairs the policy prefers more than the reference."""

@@ -4,7 +4,9 @@
 The behaviour policy is the sampler: its log-probs (at the sampling temperature) are the
 denominator of every importance ratio, in every pass, so the clip engages from the second
 optimizer step on. Rows without sampler log-probs are scored by the policy itself, once,
-before the first update.
+before the first update, and so are the reference's log-probs of the KL term. Under FSDP those
+scoring passes are collectives too: a process with fewer micro-batches joins the others' with
+idle forwards, and a process with no row to score joins a scoring some other process needs.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ from agile_llmenvs.training.losses import (
     token_weights,
 )
 from agile_llmenvs.training.policy_batch import PolicyBatch
+from agile_llmenvs.training.sharding import (
+    any_process,
+    idle_forward,
+    is_sharded,
+    max_over_processes,
+)
 
 __all__ = ["GRPO_UPDATE_METRICS", "UpdateSettings", "grpo_update"]
 
@@ -130,8 +138,11 @@ def grpo_update(
         first pass.
     """
     learner.model.train()
-    batch = _with_behaviour_logps(learner.model, batch, settings)
-    ref_logps_BT = _score(reference, batch, settings) if reference is not None else None
+    paired = is_sharded(learner.model)  # then so is the reference (or it is the policy)
+    batch = _with_behaviour_logps(learner.model, batch, settings, paired=paired)
+    ref_logps_BT = None
+    if reference is not None:
+        ref_logps_BT = _score(reference, batch, settings, paired=paired)
     totals = _Totals()
     for iteration in range(settings.num_iterations):
         for rows in _mini_batch_rows(batch.rows, settings.mini_batches):
@@ -205,23 +216,44 @@ def _scored(
     )
 
 
-def _with_behaviour_logps(model: Any, batch: PolicyBatch, settings: UpdateSettings) -> PolicyBatch:
-    """``batch`` with the policy's own log-probs where the sampler gave none (NaN)."""
+def _with_behaviour_logps(
+    model: Any, batch: PolicyBatch, settings: UpdateSettings, *, paired: bool
+) -> PolicyBatch:
+    """``batch`` with the policy's own log-probs where the sampler gave none (NaN).
+
+    With ``paired`` (a sharded policy) every process scores when any process must.
+    """
     missing_BT = batch.sampling_logps_BT.isnan() & batch.action_mask_BT
-    if not missing_BT.any():
+    missing = bool(missing_BT.any())
+    if paired:
+        missing = any_process(missing, batch.input_ids_BT.device)
+    if not missing:
         return batch
-    own_BT = _score(model, batch, settings)
+    own_BT = _score(model, batch, settings, paired=paired)
     sampling_BT = torch.where(missing_BT, own_BT, batch.sampling_logps_BT)
     return dataclasses.replace(batch, sampling_logps_BT=sampling_BT)
 
 
-def _score(model: Any, batch: PolicyBatch, settings: UpdateSettings) -> torch.Tensor:
-    """``model``'s log-probs of the batch's sampled tokens, ``[B, T - 1]``, without gradients."""
+def _score(
+    model: Any, batch: PolicyBatch, settings: UpdateSettings, *, paired: bool
+) -> torch.Tensor:
+    """``model``'s log-probs of the batch's sampled tokens, ``[B, T - 1]``, without gradients.
+
+    With ``paired`` (a sharded model) every process runs as many forwards as the one with the
+    most micro-batches, the others' gathers joined with idle forwards.
+    """
     out_BT = torch.zeros_like(batch.sampling_logps_BT)
+    slices = micro_batch_slices(batch.rows, settings.micro_batch_size)
+    # agreed before the first forward: a count taken after would meet the others' gathers
+    idle = 0
+    if paired:
+        idle = max_over_processes(len(slices), batch.input_ids_BT.device) - len(slices)
     with torch.no_grad():
-        for rows in micro_batch_slices(batch.rows, settings.micro_batch_size):
+        for rows in slices:
             scored = _scored(model, batch.select(rows), settings)
             out_BT[rows, : scored.logps_BT.shape[1]] = scored.logps_BT
+        for _ in range(idle):
+            idle_forward(model, batch.input_ids_BT.device)
     return out_BT
 
 

@@ -11,7 +11,8 @@ different numbers of micro-batches (a failed episode, a restarted one) without a
 the per-token weights do not change with the number of processes. Under FSDP2 (a model
 ``fully_shard`` has wrapped) the gradients are reduce-scattered by FSDP in every backward:
 the loss is scaled by the process count to undo its averaging, and a process with fewer
-micro-batches runs zero-loss passes so that every process joins every collective.
+micro-batches runs zero-loss passes so that every process joins every collective (a loss that
+also runs a sharded reference, DPO's, brings its own zero-loss pass through both).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from agile_llmenvs.training.sharding import is_sharded
+from agile_llmenvs.training.sharding import idle_forward, is_sharded, max_over_processes
 
 __all__ = ["Learner", "micro_batch_slices", "reduce_sum"]
 
@@ -52,8 +53,17 @@ class Learner:
         self,
         micro_batches: Iterable[MicroBatch],
         loss_of: Callable[[MicroBatch], torch.Tensor],
+        *,
+        idle_loss: Callable[[], torch.Tensor] | None = None,
     ) -> float:
         """Accumulate the gradient of ``loss_of`` over ``micro_batches``, then step once.
+
+        Args:
+            micro_batches: This process's micro-batches.
+            loss_of: A micro-batch's share of the global loss.
+            idle_loss: Under FSDP, the zero loss of each pass this process runs for a
+                micro-batch it lacks: it must run every sharded model ``loss_of`` runs, in
+                the same order (default: one forward through the policy).
 
         Returns:
             The gradient norm before clipping.
@@ -62,14 +72,15 @@ class Learner:
         sharded = is_sharded(self.model)
         todo: list[MicroBatch | None] = list(micro_batches)
         if sharded:  # every process must run as many forward/backward passes (collectives)
-            todo += [None] * (_max_over_processes(accelerator, len(todo)) - len(todo))
+            todo += [None] * (max_over_processes(len(todo), accelerator.device) - len(todo))
+        no_loss = idle_loss or self._no_loss
         # FSDP averages gradients over processes; the losses are shares of a global sum
         scale = accelerator.num_processes if sharded else 1
         self.optimizer.zero_grad(set_to_none=False)
         for micro_batch in todo:
             sync = contextlib.nullcontext() if sharded else accelerator.no_sync(self.model)
             with sync, accelerator.autocast():
-                loss = loss_of(micro_batch) if micro_batch is not None else self._no_loss()
+                loss = loss_of(micro_batch) if micro_batch is not None else no_loss()
                 accelerator.backward(loss * scale)
         if not sharded:
             self._sum_gradients()
@@ -81,9 +92,7 @@ class Learner:
     def _no_loss(self) -> torch.Tensor:
         """A zero loss through the whole model: a process with no rows left still takes part
         in FSDP's gathers and reductions."""
-        device = next(self.model.parameters()).device
-        ids = torch.zeros((1, 2), dtype=torch.long, device=device)
-        return self.model(input_ids=ids, logits_to_keep=1).logits.sum() * 0.0
+        return idle_forward(self.model, self.accelerator.device)
 
     def _sum_gradients(self) -> None:
         """Sum every trainable parameter's gradient over processes, a bucket at a time."""
@@ -117,14 +126,6 @@ def _all_reduce_sum(grads: list[torch.Tensor]) -> None:
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
         offset += grad.numel()
-
-
-def _max_over_processes(accelerator: Any, value: int) -> int:
-    if accelerator.num_processes == 1:
-        return value
-    tensor = torch.tensor([value], device=accelerator.device)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return int(tensor.item())
 
 
 def micro_batch_slices(rows: int, micro_batch_size: int | None) -> list[slice]:

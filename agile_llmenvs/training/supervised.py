@@ -2,15 +2,18 @@
 
 The loss of a batch is a sum over its units (SFT: response tokens; DPO: preference pairs)
 divided by their count over every process, so accumulating micro-batches of rows gives the
-whole batch's gradient.
+whole batch's gradient. Under FSDP a process with fewer micro-batches runs zero-loss passes;
+an objective whose loss also runs a frozen reference (DPO) gives its own
+(:class:`RunsAReference`), so that the reference's gathers are joined too.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -30,7 +33,13 @@ from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
 from agile_llmenvs.training.progress import Progress
 from agile_llmenvs.training.run_folder import plan_run, start_run
 
-__all__ = ["DatasetObjective", "labelled_logps", "train_on_dataset"]
+__all__ = [
+    "DatasetObjective",
+    "RunsAReference",
+    "dataset_update",
+    "labelled_logps",
+    "train_on_dataset",
+]
 
 
 class DatasetObjective(Protocol):
@@ -52,6 +61,16 @@ class DatasetObjective(Protocol):
 
     def metrics(self, sums: dict[str, float], total_units: float) -> dict[str, float]:
         """The logged metrics from the step's summed values."""
+        ...
+
+
+@runtime_checkable
+class RunsAReference(Protocol):
+    """An objective whose loss runs a frozen reference as well as the policy (DPO)."""
+
+    def idle_loss(self, model: Any) -> torch.Tensor:
+        """A zero loss through ``model`` and the reference, in the order :meth:`loss` runs
+        them: what a sharded process with no micro-batch left runs to join the others'."""
         ...
 
 
@@ -186,7 +205,7 @@ def _step(
     """One optimizer step on the env's next batch: the metrics row, in ``metric_keys`` order."""
     step_start = time.perf_counter()
     learning_rate = learner.scheduler.get_last_lr()[0]
-    values = _learn(env.next_batch(), learner, objective, config.micro_batch_size)
+    values = dataset_update(learner, env.next_batch(), objective, config.micro_batch_size)
     values.update(
         step=float(step + 1),
         learning_rate=learning_rate,
@@ -195,10 +214,20 @@ def _step(
     return {key: values[key] for key in metric_keys}
 
 
-def _learn(
-    batch: Any, learner: Learner, objective: DatasetObjective, micro_batch_size: int | None
+def dataset_update(
+    learner: Learner, batch: Any, objective: DatasetObjective, micro_batch_size: int | None
 ) -> dict[str, float]:
-    """One optimizer step on ``batch``, accumulated over micro-batches of its rows."""
+    """One optimizer step on ``batch``, accumulated over micro-batches of its rows.
+
+    Args:
+        learner: The policy, its optimizer and schedule.
+        batch: This process's rows (an ``SFTBatch`` or a ``PreferenceBatch``).
+        objective: The loss, and how ``batch`` splits into rows.
+        micro_batch_size: Rows per forward/backward (``None``: the batch at once).
+
+    Returns:
+        ``loss``, ``grad_norm`` and the objective's metrics, over every process.
+    """
     batch = batch.to(learner.accelerator.device)
     (total_units,) = reduce_sum(learner.accelerator, [objective.units(batch)])
     sums: dict[str, float] = {}
@@ -210,7 +239,10 @@ def _learn(
         return loss
 
     micro_batches = micro_batch_slices(objective.rows(batch), micro_batch_size)
-    grad_norm = learner.step(micro_batches, loss_of)
+    idle_loss = None
+    if isinstance(objective, RunsAReference):
+        idle_loss = partial(objective.idle_loss, learner.model)
+    grad_norm = learner.step(micro_batches, loss_of, idle_loss=idle_loss)
     keys = sorted(sums)
     sums = dict(zip(keys, reduce_sum(learner.accelerator, [sums[k] for k in keys]), strict=True))
     return {"loss": sums["loss"], "grad_norm": grad_norm, **objective.metrics(sums, total_units)}

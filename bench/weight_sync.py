@@ -5,11 +5,13 @@ The model: a random-init Qwen2 of Qwen2.5-0.5B's config (hidden 896, 24 layers, 
 2 KV heads, MLP 4,864, vocab 151,936, tied embeddings), fp32, with the built-in tokenizer;
 ``--layers`` makes it shallower. Figures:
 
-- ``sync_over_floor``: seconds of ``VLLMServerBackend.sync_weights`` (the trainer writes the
-  sync folder, the server reloads it tensor by tensor and resets its prefix cache, both over
-  HTTP), best of ``--repeats``, over the floor measured in the same run: writing the same
-  bytes to a file in the same folder and reading them back through the page cache. Target
-  <= 1.5.
+- ``sync_over_floor``: seconds of a weight sync as ``VLLMServerBackend.sync_weights`` does
+  it (the trainer writes the sync folder, then the server reloads it tensor by tensor and
+  resets its prefix cache, over HTTP), best of ``--repeats``, over the floor measured in the
+  same run: writing the same bytes to a file in the same folder and reading them back through
+  the page cache. Target <= 1.5. ``write_over_floor`` is the trainer's part alone over the
+  same floor; the rest (``server_load_s``) is mostly vLLM's own ``reload_weights``, which on
+  a CPU also repacks every GEMM weight for its kernels.
 - ``sharded_extra_layers``: the highest resident memory of a training process above its
   memory before the sync, while 2 gloo processes holding the policy sharded by FSDP2 write
   their files of a sync folder (:func:`~agile_llmenvs.training.server_sync.write_shared_folder`),
@@ -125,18 +127,39 @@ def _sync_figures(model: Any, model_dir: Path, work: Path, repeats: int) -> dict
         server.wait_ready(timeout_s=900)  # a 0.5B model takes minutes on 2 cores
         backend = VLLMServerBackend(server.url, tokenizer=model_dir, weights_dir=weights_dir)
         try:
-            syncs = [backend.sync_weights(model, version=i + 1) for i in range(repeats)]
+            timings = [_timed_sync(backend, model, version=i + 1) for i in range(repeats)]
         finally:
             backend.close()
     finally:
         server.stop()
     floors = [_write_and_read(model, weights_dir / "floor.bin") for _ in range(repeats)]
+    syncs = [write + load for write, load in timings]
+    best = min(range(repeats), key=syncs.__getitem__)
     return {
         "sync_s": [round(s, 3) for s in syncs],
+        "write_s": [round(write, 3) for write, _ in timings],
+        "server_load_s": [round(load, 3) for _, load in timings],
         "floor_s": [round(s, 3) for s in floors],
-        "sync_over_floor": round(min(syncs) / min(floors), 3),
+        "best_sync_s": round(syncs[best], 3),
+        "best_write_s": round(timings[best][0], 3),
+        "best_floor_s": round(min(floors), 3),
+        "sync_over_floor": round(syncs[best] / min(floors), 3),
+        "write_over_floor": round(timings[best][0] / min(floors), 3),
         "sync_target": SYNC_TARGET,
     }
+
+
+def _timed_sync(backend: Any, model: Any, *, version: int) -> tuple[float, float]:
+    """One ``sync_weights``, in its two parts: seconds to write the folder, and seconds for
+    the server to reload it (HTTP, reading, vLLM's in-place reload, the prefix-cache reset)."""
+    from agile_llmenvs.training.weight_files import local_weights, write_weights
+
+    start = time.perf_counter()
+    folder = backend.weights_folder(version)
+    write_weights(folder, local_weights(model))
+    written = time.perf_counter()
+    backend.load_weights_from(folder, version=version)
+    return written - start, time.perf_counter() - written
 
 
 def _write_and_read(model: Any, path: Path) -> float:

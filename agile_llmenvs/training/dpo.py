@@ -47,6 +47,7 @@ def train_dpo(
 
     return train_on_dataset(
         manifest,
+        config,
         resume=resume,
         overwrite=overwrite,
         name="dpo",

@@ -102,11 +102,11 @@ def train_grpo(
     if plan.complete:
         return plan.complete_result()
     output_dir = plan.output_dir
-    run = setup_run(manifest, output_dir, resume)
+    run = setup_run(manifest, config, output_dir, resume)
     try:
         start_run(plan, manifest, run.accelerator)
         with StopRequest() as stop:
-            history = _train(run, manifest, output_dir, resume, stop)
+            history = _train(run, config, manifest.seed, output_dir, resume, stop)
         steps = run.start_step + len(history)
         checkpoint_dir = _save(output_dir, steps, run)
     finally:
@@ -121,11 +121,15 @@ def train_grpo(
 
 
 def _train(
-    run: GRPORun, manifest: RunManifest, output_dir: Path, resume: bool, stop: StopRequest
+    run: GRPORun,
+    config: TrainingSpec,
+    seed: int,
+    output_dir: Path,
+    resume: bool,
+    stop: StopRequest,
 ) -> list[dict[str, float]]:
     """Run the steps left, writing each one's metrics and the periodic checkpoints; a
-    SIGINT / SIGTERM ends the loop after the step it arrives in."""
-    config = training_spec(manifest)
+    SIGINT / SIGTERM ends the loop after the step it arrives in (``seed``: the manifest's)."""
     main = run.accelerator.is_main_process
     writer = rollouts = None
     if main:
@@ -146,8 +150,8 @@ def _train(
     progress = Progress("grpo", start=run.start_step, total=config.max_steps, enabled=main)
     try:
         for step in range(run.start_step, config.max_steps):
-            seed = step_seed(manifest.seed, step, run.accelerator.process_index)
-            row = _step(run, config, step + 1, seed, rollouts)
+            step_rng = step_seed(seed, step, run.accelerator.process_index)
+            row = _step(run, config, step + 1, step_rng, rollouts)
             row.update(_evaluate(run, step + 1))
             history.append(row)
             if writer is not None:

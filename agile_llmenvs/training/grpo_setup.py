@@ -17,13 +17,12 @@ from agile_llmenvs.backends.hf import HFBackend
 from agile_llmenvs.backends.types import SamplingParams
 from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.llm_envs.collector import RolloutCollector
-from agile_llmenvs.specs import LLMEnvSpec, RunManifest
+from agile_llmenvs.specs import LLMEnvSpec, RunManifest, TrainingSpec
 from agile_llmenvs.specs.manifest import VLLMGenerationSpec
 from agile_llmenvs.training.checkpoint import load_checkpoint
 from agile_llmenvs.training.common import (
     prepare_policy,
     reference_model,
-    training_spec,
     vision_processor,
 )
 from agile_llmenvs.training.grpo_update import UpdateSettings
@@ -92,10 +91,12 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step) * 4096 + rank * 64
 
 
-def setup_run(manifest: RunManifest, output_dir: Path, resume: bool) -> GRPORun:
+def setup_run(
+    manifest: RunManifest, config: TrainingSpec, output_dir: Path, resume: bool
+) -> GRPORun:
     """Load the policy (and a reference when ``beta > 0``), the optimizer, the vLLM engine
-    when asked for, and the collector; then the checkpoint when resuming."""
-    config = training_spec(manifest)
+    when asked for, and the collector; then the checkpoint when resuming (``config``: the
+    manifest's training section)."""
     total_steps = config.max_steps * config.num_iterations * config.mini_batches
     learner, tokenizer = prepare_policy(manifest, config, total_steps=total_steps)
     accelerator = learner.accelerator
@@ -130,7 +131,7 @@ def setup_run(manifest: RunManifest, output_dir: Path, resume: bool) -> GRPORun:
     try:
         processor = vision_processor(manifest.model)
         collector, max_turns = _make_collector(
-            manifest, tokenizer, processor, max_model_len, accelerator
+            manifest, config, tokenizer, processor, max_model_len, accelerator
         )
         start_step = 0
         if resume:
@@ -146,7 +147,14 @@ def setup_run(manifest: RunManifest, output_dir: Path, resume: bool) -> GRPORun:
             engine.load_weights(policy)  # the checkpoint's, or the adapters merged in
         if config.generation_backend == "vllm_server":
             server = _server_rollouts(
-                manifest, output_dir, tokenizer, collector, params, start_step, accelerator
+                config,
+                manifest.seed,
+                output_dir,
+                tokenizer,
+                collector,
+                params,
+                start_step,
+                accelerator,
             )
             server.sync(policy, version=start_step)  # the checkpoint's, or the adapters merged in
         held_out = HeldOutEval.build(manifest, tokenizer, max_model_len, accelerator, processor)
@@ -166,7 +174,7 @@ def setup_run(manifest: RunManifest, output_dir: Path, resume: bool) -> GRPORun:
         reference,
         collector,
         sampler,
-        _update_settings(manifest, max_turns),
+        _update_settings(config, max_turns),
         start_step,
         engine,
         server,
@@ -177,7 +185,8 @@ def setup_run(manifest: RunManifest, output_dir: Path, resume: bool) -> GRPORun:
 
 
 def _server_rollouts(
-    manifest: RunManifest,
+    config: TrainingSpec,
+    seed: int,
     output_dir: Path,
     tokenizer: Any,
     collector: RolloutCollector,
@@ -188,7 +197,6 @@ def _server_rollouts(
     """This process's producer of rounds from the manifest's servers (``generation_backend:
     vllm_server``); it starts with the first weight sync. Every training process sends its
     own share of the requests, and all of them take part in each weight sync."""
-    config = training_spec(manifest)
     spec = config.vllm_server
     assert spec is not None  # the training spec's validator asks for it
     backend = server_backend(spec, tokenizer, output_dir)
@@ -198,7 +206,7 @@ def _server_rollouts(
             backend,
             collector,
             params,
-            lambda step: step_seed(manifest.seed, step, rank=rank),
+            lambda step: step_seed(seed, step, rank=rank),
             max_staleness=config.max_staleness,
             sync_every=spec.sync_every,
             start_step=start_step,
@@ -211,10 +219,9 @@ def _server_rollouts(
         raise
 
 
-def _update_settings(manifest: RunManifest, max_turns: int) -> UpdateSettings:
+def _update_settings(config: TrainingSpec, max_turns: int) -> UpdateSettings:
     """The learning step's settings; ``max_turns`` is the env's turn budget, as the rollout
     factory found it (the manifest's, or what the env declares)."""
-    config = training_spec(manifest)
     return UpdateSettings(
         loss_type=config.loss_type,
         clip_eps=config.clip_eps,
@@ -229,13 +236,17 @@ def _update_settings(manifest: RunManifest, max_turns: int) -> UpdateSettings:
 
 
 def _make_collector(
-    manifest: RunManifest, tokenizer: Any, processor: Any, max_model_len: int, accelerator: Any
+    manifest: RunManifest,
+    config: TrainingSpec,
+    tokenizer: Any,
+    processor: Any,
+    max_model_len: int,
+    accelerator: Any,
 ) -> tuple[RolloutCollector, int]:
     """This rank's collector over the manifest's rollout env, and the env's turn budget
     (``processor``: a vision-language policy's, which the envs' images are shown to)."""
     from agile_llmenvs.envs import make_rollout_env_factory
 
-    config = training_spec(manifest)
     env_spec = manifest.env
     assert isinstance(env_spec, LLMEnvSpec)  # the manifest validator pairs grpo with rollout
     if processor is not None and config.generation_backend != "hf":

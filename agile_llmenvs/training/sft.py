@@ -31,14 +31,15 @@ def train_sft(
         overwrite: Replace the run ``output_dir`` holds; without it (or ``resume``) a
             folder that holds a run is refused with a ``CheckpointError``.
     """
-    chunk_tokens = training_spec(manifest).logps_chunk_tokens
+    config = training_spec(manifest)
     return train_on_dataset(
         manifest,
+        config,
         resume=resume,
         overwrite=overwrite,
         name="sft",
         metric_keys=SFT_METRICS,
-        make_objective=lambda model, accelerator: SFTObjective(chunk_tokens),
+        make_objective=lambda model, accelerator: SFTObjective(config.logps_chunk_tokens),
     )
 
 

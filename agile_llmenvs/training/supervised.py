@@ -18,12 +18,11 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from agile_llmenvs.core.images import SampleImages, image_model_inputs
-from agile_llmenvs.specs import LLMEnvSpec, RunManifest
+from agile_llmenvs.specs import LLMEnvSpec, RunManifest, TrainingSpec
 from agile_llmenvs.training.checkpoint import load_checkpoint, save_checkpoint
 from agile_llmenvs.training.common import (
     TrainResult,
     prepare_policy,
-    training_spec,
     vision_processor,
 )
 from agile_llmenvs.training.interrupt import StopRequest
@@ -108,6 +107,7 @@ def labelled_logps(
 
 def train_on_dataset(
     manifest: RunManifest,
+    config: TrainingSpec,
     *,
     resume: bool,
     name: str,
@@ -119,6 +119,7 @@ def train_on_dataset(
 
     Args:
         manifest: A manifest with ``env_type: dataset``.
+        config: Its training section.
         resume: Continue from the checkpoint in ``output_dir`` (a run already at
             ``max_steps`` is left as it is).
         name: The progress bar's label.
@@ -130,7 +131,6 @@ def train_on_dataset(
     Raises:
         CheckpointError: see :func:`~agile_llmenvs.training.run_folder.plan_run`.
     """
-    config = training_spec(manifest)
     plan = plan_run(manifest, resume=resume, overwrite=overwrite)
     if plan.complete:
         return plan.complete_result()
@@ -139,7 +139,7 @@ def train_on_dataset(
     accelerator = learner.accelerator
     start_run(plan, manifest, accelerator)
     objective = make_objective(accelerator.unwrap_model(learner.model), accelerator)
-    env = _dataset_env(manifest, tokenizer, accelerator)
+    env = _dataset_env(manifest, config, tokenizer, accelerator)
     start_step = _resume(output_dir, learner, env) if resume else 0
     main = accelerator.is_main_process
     writer = None
@@ -248,11 +248,12 @@ def dataset_update(
     return {"loss": sums["loss"], "grad_norm": grad_norm, **objective.metrics(sums, total_units)}
 
 
-def _dataset_env(manifest: RunManifest, tokenizer: Any, accelerator: Any) -> Any:
-    """This rank's share of the manifest's dataset env, batched for the training spec."""
+def _dataset_env(
+    manifest: RunManifest, config: TrainingSpec, tokenizer: Any, accelerator: Any
+) -> Any:
+    """This rank's share of the manifest's dataset env, batched for ``config``."""
     from agile_llmenvs.envs import make_llm_env
 
-    config = training_spec(manifest)
     assert isinstance(manifest.env, LLMEnvSpec)  # the manifest validator pairs sft/dpo with it
     return make_llm_env(
         manifest.env,

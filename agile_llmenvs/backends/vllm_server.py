@@ -13,12 +13,14 @@ loop thread remote env sessions use (:data:`~agile_llmenvs.transport.session_loo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Awaitable, Sequence
+import urllib.parse
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -37,11 +39,15 @@ if TYPE_CHECKING:
 
     from agile_llmenvs.transport.session_loop import SessionLoop
 
-__all__ = ["Routing", "VLLMServerBackend"]
+__all__ = ["SERVED_ADAPTER", "LoRASync", "Routing", "VLLMServerBackend", "WeightTransfer"]
 
 logger = logging.getLogger(__name__)
 
 Routing = Literal["least_loaded", "round_robin"]
+WeightTransfer = Literal["files", "gloo"]
+LoRASync = Literal["adapters", "merged"]
+#: The name the servers load a LoRA policy's adapters under (requests name it as their model).
+SERVED_ADAPTER = "policy"
 
 _T = TypeVar("_T")
 _TOKEN_ID = "token_id:"
@@ -55,6 +61,7 @@ class _Server:
     url: str
     in_flight: int = 0
     down_until: float = 0.0
+    max_lora_rank: int | None = None  # once an adapters sync has asked the server
 
     def up(self, now: float) -> bool:
         return now >= self.down_until
@@ -85,7 +92,18 @@ class VLLMServerBackend(LocalChatBackend):
     ``load_policy_weights_from`` (vLLM's in-place ``reload_weights``), then
     ``POST /reset_prefix_cache``. vLLM's own ``/update_weights`` needs a weight-transfer
     engine, and the ones vLLM 0.32 ships (NCCL, CUDA IPC, ...) need a GPU; the file works on
-    any device and with servers on other machines that share the filesystem.
+    any device and with servers on other machines that share the filesystem. With
+    ``weight_transfer="gloo"`` the weights stream instead, a layer at a time, through those
+    routes and vLLM's layerwise reload, over a gloo group of this process and the servers
+    (:mod:`~agile_llmenvs.training.gloo_weights`; start the servers with
+    ``--weight-transfer-config '{"backend": "agile_gloo"}'``, as
+    ``VLLMServerProcess(weight_transfer="gloo")`` does). Nothing touches a disk, but one
+    failing server fails the whole sync (the group is shared), and no server is retired.
+
+    With ``lora_sync="adapters"`` a LoRA (``peft``) policy sends its adapters only (peft's
+    layout), which each server loads in place as the adapter :data:`SERVED_ADAPTER`
+    (``POST /v1/load_lora_adapter``); from then on requests name that adapter as their
+    model, so the servers generate with base + adapters (:meth:`load_adapters_from`).
 
     Args:
         urls: Base URL of each server (``http://host:port``).
@@ -95,10 +113,15 @@ class VLLMServerBackend(LocalChatBackend):
         timeout_s: Most seconds per request (and per server call of a weight sync).
         weights_dir: Where :meth:`sync_weights` writes the weights; every server must be able
             to read it (same machine, or a shared filesystem). ``None``: a temporary folder.
+        weight_transfer: ``"files"`` (the folder above) or ``"gloo"`` (streamed, see above).
+        transfer_host: With ``"gloo"``: the address the servers reach this process at.
+        lora_sync: How a LoRA policy is synced: ``"merged"`` (the whole model, adapters
+            merged in) or ``"adapters"`` (the adapters only; the servers must be started
+            with LoRA, as ``VLLMServerProcess(max_lora_rank=R)`` starts them).
 
     Raises:
         ValueError: ``urls`` is empty or holds a URL that is not ``http(s)://``, or
-            ``routing`` or ``timeout_s`` is invalid.
+            ``routing``, ``timeout_s`` or ``lora_sync`` is invalid.
         OptionalDependencyError: ``aiohttp`` is not installed.
     """
 
@@ -111,6 +134,9 @@ class VLLMServerBackend(LocalChatBackend):
         routing: Routing = "least_loaded",
         timeout_s: float = 300.0,
         weights_dir: str | os.PathLike[str] | None = None,
+        lora_sync: LoRASync = "merged",
+        weight_transfer: WeightTransfer = "files",
+        transfer_host: str = "127.0.0.1",
     ) -> None:
         try:
             import aiohttp
@@ -125,6 +151,10 @@ class VLLMServerBackend(LocalChatBackend):
             raise ValueError(f"routing must be 'least_loaded' or 'round_robin', got {routing!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if lora_sync not in ("adapters", "merged"):
+            raise ValueError(f"lora_sync must be 'adapters' or 'merged', got {lora_sync!r}")
+        self.lora_sync: LoRASync = lora_sync
+        self._adapter: str | None = None  # what requests name once the servers hold adapters
         self.routing: Routing = routing
         self.timeout_s = float(timeout_s)
         self._tokenizer = _load_tokenizer(tokenizer)
@@ -132,6 +162,11 @@ class VLLMServerBackend(LocalChatBackend):
         self._own_weights_dir = weights_dir is None
         self._weights_dir = Path(weights_dir) if weights_dir is not None else None
         self._weights_folder: Path | None = None
+        if weight_transfer not in ("files", "gloo"):
+            raise ValueError(f"weight_transfer must be 'files' or 'gloo', got {weight_transfer!r}")
+        self.weight_transfer: WeightTransfer = weight_transfer
+        self.transfer_host = transfer_host
+        self._sender: Any = None  # the gloo sender, made on the first streamed sync
         self._version = 0
         self._next = 0  # where the round robin (and least_loaded's ties) resume
         self._session: aiohttp.ClientSession | None = None
@@ -221,7 +256,7 @@ class VLLMServerBackend(LocalChatBackend):
         self, prompt: list[int], params: SamplingParams, seed: int | None
     ) -> Generation:
         session = self._client()
-        model = await self._served_model()
+        model = self._adapter or await self._served_model()
         body = _completion_body(model, prompt, params, seed)
         server = self._pick()
         server.in_flight += 1
@@ -322,7 +357,8 @@ class VLLMServerBackend(LocalChatBackend):
     # --- weight sync -------------------------------------------------------------------------
 
     def sync_weights(self, policy: Any, *, version: int | None = None) -> float:
-        """Load ``policy``'s weights (LoRA adapters merged in) into every server.
+        """Load ``policy``'s weights into every server: a LoRA policy's adapters merged in,
+        or its adapters alone with ``lora_sync="adapters"`` (:meth:`syncs_adapters`).
 
         Requests in flight go on through the reload: their later tokens are sampled with the
         new weights (each token's log-prob is still the one it was sampled with).
@@ -341,14 +377,28 @@ class VLLMServerBackend(LocalChatBackend):
                 version is left as it was. Servers that fail while others load them are
                 retired (:meth:`load_weights_from`).
         """
+        from agile_llmenvs.training.lora import write_adapters
         from agile_llmenvs.training.weight_files import local_weights, write_weights
 
         start = time.perf_counter()
         version = self._version + 1 if version is None else version
+        if self.weight_transfer == "gloo" and not self.syncs_adapters(policy):
+            self.stream_weights(policy, version=version)
+            return time.perf_counter() - start
         folder = self.weights_folder(version)
-        write_weights(folder, local_weights(policy))
-        self.load_weights_from(folder, version=version)
+        if self.syncs_adapters(policy):
+            self.load_adapters_from(write_adapters(policy, folder), version=version)
+        else:
+            write_weights(folder, local_weights(policy))
+            self.load_weights_from(folder, version=version)
         return time.perf_counter() - start
+
+    def syncs_adapters(self, policy: Any) -> bool:
+        """Whether a sync of ``policy`` sends its adapters only (a LoRA policy, and
+        ``lora_sync="adapters"``)."""
+        from agile_llmenvs.training.lora import is_lora
+
+        return self.lora_sync == "adapters" and is_lora(policy)
 
     def weights_folder(self, version: int) -> Path:
         """The folder a sync of ``version`` is written to (in ``weights_dir``)."""
@@ -372,9 +422,46 @@ class VLLMServerBackend(LocalChatBackend):
             GenerationServerError: No server could load them (it names the first); the
                 version is left as it was.
         """
+        return self._load_everywhere(Path(folder), version, self._reload_on)
+
+    def load_adapters_from(
+        self, folder: str | os.PathLike[str], *, version: int
+    ) -> tuple[str, ...]:
+        """Have every server load the LoRA adapters in ``folder`` (peft's layout:
+        :func:`~agile_llmenvs.training.lora.write_adapters`) in place as
+        :data:`SERVED_ADAPTER`, then hold ``version``; requests then name that adapter. A
+        failing server is retired, and the previous folder removed, as by
+        :meth:`load_weights_from`.
+
+        The first time, each server is asked whether it can (``GET /server_info``): started
+        with ``--enable-lora``, a ``--max-lora-rank`` of at least the adapters' rank, and
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``.
+
+        Returns:
+            The URLs of the servers retired by this sync (usually none).
+
+        Raises:
+            GenerationServerError: A server cannot serve these adapters (it names the
+                server, what it lacks and how to fix it), or no server could load them.
+        """
+        from agile_llmenvs.training.lora import adapter_rank
+
         folder = Path(folder)
+        _session_loop().run(self._check_lora(adapter_rank(folder)))
+        return self._load_everywhere(folder, version, self._load_adapters_on, adapters=True)
+
+    def _load_everywhere(
+        self,
+        folder: Path,
+        version: int,
+        load: Callable[[_Server, str], Awaitable[None]],
+        *,
+        adapters: bool = False,
+    ) -> tuple[str, ...]:
+        """``load`` the folder on every server; retire those that fail while others take
+        it, or raise when none does."""
         results = _session_loop().run(
-            _gather_errors([self._reload_on(server, str(folder)) for server in self._servers])
+            _gather_errors([load(server, str(folder)) for server in self._servers])
         )
         failed = [r for r in results if isinstance(r, GenerationServerError)]
         if len(failed) == len(self._servers):
@@ -391,7 +478,7 @@ class VLLMServerBackend(LocalChatBackend):
         if self._weights_folder is not None and self._weights_folder != folder:
             shutil.rmtree(self._weights_folder, ignore_errors=True)
         self._weights_folder = folder
-        self.set_version(version)
+        self.set_version(version, adapters=adapters)
         return retired
 
     def retire(self, urls: Sequence[str]) -> None:
@@ -413,9 +500,11 @@ class VLLMServerBackend(LocalChatBackend):
         """The servers a failed weight sync took out of the rotation, in order."""
         return self._retired
 
-    def set_version(self, version: int) -> None:
-        """Record that the servers hold ``version`` (another training process synced them)."""
+    def set_version(self, version: int, *, adapters: bool = False) -> None:
+        """Record that the servers hold ``version`` (another training process synced them),
+        as the adapters :data:`SERVED_ADAPTER` when ``adapters`` (requests then name it)."""
         self._version = version
+        self._adapter = SERVED_ADAPTER if adapters else None
 
     async def _reload_on(self, server: _Server, path: str) -> None:
         session = self._client()
@@ -427,8 +516,132 @@ class VLLMServerBackend(LocalChatBackend):
         )
         await self._post(session, server, "/reset_prefix_cache", {})
 
+    async def _load_adapters_on(self, server: _Server, path: str) -> None:
+        session = self._client()
+        body = {"lora_name": SERVED_ADAPTER, "lora_path": path, "load_inplace": True}
+        await self._post(session, server, "/v1/load_lora_adapter", body)
+        # a fresh folder per version, but cached prefixes were computed with the old adapters
+        await self._post(session, server, "/reset_prefix_cache", {})
+
+    async def _check_lora(self, rank: int) -> None:
+        """Raise if a server cannot serve adapters of ``rank``; a server that does not
+        answer is left to the load itself (which retires it)."""
+        unchecked = [s for s in self._servers if s.max_lora_rank is None]
+        settings = await _gather_errors([self._lora_settings(s) for s in unchecked])
+        for server, found in zip(unchecked, settings, strict=True):
+            if isinstance(found, GenerationServerError):
+                continue
+            max_rank, runtime_updates = found
+            problem = _lora_problem(max_rank, runtime_updates, rank)
+            if problem:
+                raise GenerationServerError(
+                    f"{server.url} cannot serve this LoRA policy's adapters: {problem}. "
+                    f"lora_sync='adapters' (the manifest's training.vllm_server.lora_sync, "
+                    "its default) needs servers started with --enable-lora --max-lora-rank R "
+                    "(R >= the policy's lora.r) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "
+                    "(VLLMServerProcess(max_lora_rank=R) does both); or set lora_sync: merged "
+                    "to send the whole model with the adapters merged in",
+                    url=server.url,
+                )
+            server.max_lora_rank = max_rank
+
+    async def _lora_settings(self, server: _Server) -> tuple[int | None, bool]:
+        """The server's ``--max-lora-rank`` (``None``: no LoRA) and whether it loads
+        adapters at run time."""
+        session = self._client()
+        url = f"{server.url}/server_info?config_format=json"
+        try:
+            async with session.get(url) as response:
+                response.raise_for_status()
+                info = await response.json()
+            lora = info["vllm_config"].get("lora_config")
+            runtime = info["vllm_env"].get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", False)
+        except (TimeoutError, self._aiohttp.ClientError, KeyError, TypeError) as exc:
+            raise GenerationServerError(
+                f"{url}: {type(exc).__name__}: {exc}", url=server.url
+            ) from exc
+        return (int(lora["max_lora_rank"]) if lora else None), runtime in (True, "True", "1")
+
+    def stream_weights(self, policy: Any, *, version: int, send: bool = True) -> None:
+        """Stream ``policy``'s whole weights (LoRA adapters merged in) to every server over
+        gloo, a layer at a time (``weight_transfer="gloo"``), then hold ``version``. Every
+        training process of a sharded policy calls it together (each tensor is gathered
+        whole, a collective); only the one with ``send`` (rank 0) talks to the servers.
+
+        Raises:
+            GenerationServerError: A server failed the sync (the version is left as it was);
+                the next sync starts a fresh group.
+        """
+        from agile_llmenvs.training.gloo_weights import GlooWeightSender, TensorMeta
+        from agile_llmenvs.training.weight_files import local_weights, weight_metas
+
+        tensors = local_weights(policy, whole=True)
+        if not send:
+            for _ in tensors:  # the collectives rank 0's stream gathers with
+                pass
+            return
+        if self._sender is None:
+            _session_loop().run(self._check_gloo())
+            self._sender = GlooWeightSender(
+                _Routes(self), host=self.transfer_host, timeout_s=self.timeout_s
+            )
+        metas = [TensorMeta(*meta) for meta in weight_metas(policy)]
+        try:
+            self._sender.send(metas, tensors)
+            self._sender.control.call("reset_prefix_cache").result()
+        except GenerationServerError:
+            raise
+        except Exception as exc:  # a gloo error: a server left the group mid-broadcast
+            raise GenerationServerError(
+                f"weight transfer over gloo failed: {type(exc).__name__}: {exc}",
+                url=self._servers[0].url,
+            ) from exc
+        self.set_version(version)
+
+    async def _check_gloo(self) -> None:
+        """Raise unless every server was started with the gloo engine (else the group's
+        start would wait ``timeout_s`` for a server that never joins)."""
+        session = self._client()
+        for server in self._servers:
+            url = f"{server.url}/server_info?config_format=json"
+            try:
+                async with session.get(url) as response:
+                    response.raise_for_status()
+                    info = await response.json()
+                config = info["vllm_config"].get("weight_transfer_config") or {}
+            except (TimeoutError, self._aiohttp.ClientError, KeyError, TypeError) as exc:
+                raise GenerationServerError(
+                    f"{url}: {type(exc).__name__}: {exc}", url=server.url
+                ) from exc
+            if config.get("backend") != "agile_gloo":
+                raise GenerationServerError(
+                    f"{server.url} cannot take weights over gloo: it was started with weight "
+                    f"transfer backend {config.get('backend')!r}, not 'agile_gloo'. Start it "
+                    """with --weight-transfer-config '{"backend": "agile_gloo"}' """
+                    "(VLLMServerProcess(weight_transfer='gloo') does), or set "
+                    "weight_transfer: files",
+                    url=server.url,
+                )
+
+    async def _call_all(
+        self, path: str, body: dict[str, Any] | list[dict[str, Any]] | None
+    ) -> None:
+        """POST to every server at once; raises the first failure once all have answered."""
+        session = self._client()
+        bodies = body if isinstance(body, list) else [body or {}] * len(self._servers)
+        calls = [
+            self._post(session, server, path, each)
+            for server, each in zip(self._servers, bodies, strict=True)
+        ]
+        for result in await _gather_errors(calls):
+            if isinstance(result, GenerationServerError):
+                raise result
+
     def close(self) -> None:
         """Close the HTTP session, and remove the weights folder if this backend made it."""
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
         if self._session is not None and not self._session.closed:
             _session_loop().run(self._session.close())
         self._session = None
@@ -438,11 +651,46 @@ class VLLMServerBackend(LocalChatBackend):
             self._weights_folder = None
 
 
+class _Routes:
+    """The servers' weight-transfer routes for
+    :class:`~agile_llmenvs.training.gloo_weights.GlooWeightSender`: each call runs on the
+    session loop while the caller's thread goes on (to broadcast)."""
+
+    def __init__(self, backend: VLLMServerBackend) -> None:
+        self._backend = backend
+
+    @property
+    def num_servers(self) -> int:
+        return len(self._backend.urls)
+
+    def call(
+        self,
+        path: str,
+        body: dict[str, Any] | list[dict[str, Any]] | None = None,
+        query: dict[str, str] | None = None,
+    ) -> concurrent.futures.Future[None]:
+        route = "/" + path + ("?" + urllib.parse.urlencode(query) if query else "")
+        return asyncio.run_coroutine_threadsafe(
+            self._backend._call_all(route, body), _session_loop().loop
+        )
+
+
 def _session_loop() -> SessionLoop:
     # imported here: the transport package is heavy, and most backend users never need it
     from agile_llmenvs.transport.session_loop import SESSION_LOOP
 
     return SESSION_LOOP
+
+
+def _lora_problem(max_rank: int | None, runtime_updates: bool, rank: int) -> str:
+    """What keeps a server from loading adapters of ``rank`` (empty: nothing)."""
+    if max_rank is None:
+        return "it was started without LoRA (no --enable-lora)"
+    if max_rank < rank:
+        return f"its --max-lora-rank is {max_rank}, below the policy's lora.r of {rank}"
+    if not runtime_updates:
+        return "VLLM_ALLOW_RUNTIME_LORA_UPDATING is not set in its environment"
+    return ""
 
 
 def _load(server: _Server) -> int:

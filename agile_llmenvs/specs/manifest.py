@@ -160,6 +160,27 @@ class VLLMServerSpec(BaseModel):
         "it (the same machine, or a shared filesystem). Relative: to the manifest's folder. "
         "Unset: `output_dir/weights-sync`.",
     )
+    lora_sync: Literal["adapters", "merged"] = Field(
+        "adapters",
+        description="How a LoRA policy reaches the servers: `adapters` sends only the "
+        "adapters, loaded in place as a served LoRA adapter (start each server with "
+        "`--enable-lora --max-lora-rank R` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`); "
+        "`merged` sends the whole model with the adapters merged in.",
+    )
+    weight_transfer: Literal["files", "gloo"] = Field(
+        "files",
+        description="How weights reach the servers: `files` (safetensors in `weights_dir`, "
+        "reloaded by each server) or `gloo` (streamed a layer at a time through vLLM's "
+        "weight-transfer routes over a gloo group, nothing on disk; start each server with "
+        """`--weight-transfer-config '{"backend": "agile_gloo"}'`). """
+        "With `gloo` a server that fails a sync fails the run's sync instead of being retired.",
+    )
+    transfer_host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="With `weight_transfer: gloo`: the address the servers reach the "
+        "training process of rank 0 at.",
+    )
 
     @model_validator(mode="after")
     def _check_urls(self) -> VLLMServerSpec:

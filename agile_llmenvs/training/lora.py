@@ -1,9 +1,11 @@
-"""LoRA through ``peft``: adapters on the policy, its base model as the reference, and the
-merged weights a generation engine needs."""
+"""LoRA through ``peft``: adapters on the policy, its base model as the reference, and what a
+generation engine needs: the merged weights, or the adapters alone in peft's layout."""
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,9 +13,21 @@ import torch
 from agile_llmenvs.errors import OptionalDependencyError
 from agile_llmenvs.specs.manifest import LoRASpec
 
-__all__ = ["AdaptersOffReference", "apply_lora", "is_lora", "merged_weights"]
+__all__ = [
+    "ADAPTER_CONFIG_FILE",
+    "ADAPTER_WEIGHTS_FILE",
+    "AdaptersOffReference",
+    "adapter_rank",
+    "apply_lora",
+    "is_lora",
+    "merged_weights",
+    "write_adapters",
+]
 
 ADAPTER = "default"
+#: The files of peft's layout (``PeftModel.save_pretrained``), as vLLM loads an adapter.
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
 
 
 def _peft() -> Any:
@@ -98,3 +112,39 @@ def merged_weights(model: Any) -> dict[str, torch.Tensor]:
                 merged = weight + layer.get_delta_weight(ADAPTER).to(weight.dtype)
                 weights[f"{module_name}.weight"] = merged
     return weights
+
+
+def write_adapters(model: Any, folder: Path, *, main: bool = True) -> Path:
+    """Write the adapters of ``model`` (a peft model) into ``folder`` in peft's layout
+    (:data:`ADAPTER_WEIGHTS_FILE` and :data:`ADAPTER_CONFIG_FILE`), and return ``folder``.
+
+    Under FSDP2 every process must call it, in step: each adapter tensor is gathered whole
+    (a collective; adapters are small), and only the ``main`` process writes.
+    """
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    peft = _peft()
+    gathered: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        if ".lora_" not in name or f".{ADAPTER}." not in name:
+            continue
+        tensor = param.detach()
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        if main:
+            gathered[name] = tensor.cpu().contiguous()
+    if main:
+        # peft's own renaming: the adapter's name leaves the keys, as save_pretrained writes
+        tensors = peft.get_peft_model_state_dict(model, state_dict=gathered, adapter_name=ADAPTER)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(folder / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+        model.peft_config[ADAPTER].save_pretrained(str(folder))
+    return folder
+
+
+def adapter_rank(folder: Path) -> int:
+    """The largest adapter rank of the adapters in ``folder`` (its ``r`` and any
+    ``rank_pattern``), as a server checks it against its ``--max-lora-rank``."""
+    config = json.loads((folder / ADAPTER_CONFIG_FILE).read_text(encoding="utf-8"))
+    return max([int(config["r"]), *(int(r) for r in (config.get("rank_pattern") or {}).values())])

@@ -215,4 +215,7 @@ def server_backend(spec: VLLMServerSpec, tokenizer: Any, output_dir: Path) -> An
         routing=spec.routing,
         timeout_s=spec.timeout_s,
         weights_dir=weights_dir,
+        lora_sync=spec.lora_sync,
+        weight_transfer=spec.weight_transfer,
+        transfer_host=spec.transfer_host,
     )

@@ -7,7 +7,9 @@ second copy of the model. Once every file is written, rank 0 asks each server to
 folder, and every process learns the outcome from rank 0: each then records the new version
 (so every process's producer sees the same served version before its next round), or each
 raises the same :class:`~agile_llmenvs.errors.GenerationServerError`, so no process is left
-waiting in a collective.
+waiting in a collective. A LoRA policy synced as adapters (``lora_sync: adapters``) is the
+exception to "nothing is gathered": its adapter tensors, small, are gathered to rank 0,
+which writes them in peft's layout.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from typing import Any
 import torch
 
 from agile_llmenvs.errors import GenerationServerError
+from agile_llmenvs.training.lora import write_adapters
 from agile_llmenvs.training.sharding import is_sharded
 from agile_llmenvs.training.weight_files import local_weights, write_weights
 
-__all__ = ["ServerWeightSync", "write_shared_folder"]
+__all__ = ["ServerWeightSync", "write_shared_adapters", "write_shared_folder"]
 
 
 class ServerWeightSync:
@@ -40,7 +43,9 @@ class ServerWeightSync:
     def __call__(self, policy: Any, version: int) -> None:
         """Sync ``policy`` (the unwrapped model, sharded or whole) as ``version``.
 
-        A server that fails the reload while others take it is retired on every process
+        A LoRA policy sends its adapters only when the backend's ``lora_sync`` is
+        ``"adapters"`` (:func:`write_shared_adapters`). A server that fails the reload while
+        others take it is retired on every process
         (:meth:`~agile_llmenvs.backends.VLLMServerBackend.load_weights_from`).
 
         Raises:
@@ -49,12 +54,23 @@ class ServerWeightSync:
         if self.world_size == 1:
             self.backend.sync_weights(policy, version=version)
             return
+        adapters = self.backend.syncs_adapters(policy)  # the same on every process
+        if getattr(self.backend, "weight_transfer", "files") == "gloo" and not adapters:
+            self._stream(policy, version)
+            return
         proposed = self.backend.weights_folder(version) if self.rank == 0 else None
-        folder = write_shared_folder(policy, proposed, rank=self.rank, world_size=self.world_size)
+        if adapters:
+            folder = write_shared_adapters(policy, proposed, rank=self.rank)
+            load = self.backend.load_adapters_from
+        else:
+            folder = write_shared_folder(
+                policy, proposed, rank=self.rank, world_size=self.world_size
+            )
+            load = self.backend.load_weights_from
         outcome: dict[str, Any] = {}  # rank 0's: the servers retired, or the failure
         if self.rank == 0:
             try:
-                outcome["retired"] = self.backend.load_weights_from(folder, version=version)
+                outcome["retired"] = load(folder, version=version)
             except GenerationServerError as exc:
                 outcome["failed"] = (str(exc), exc.url)
         outcome = _from_rank_0(outcome)
@@ -64,6 +80,22 @@ class ServerWeightSync:
         if self.rank != 0:
             if outcome["retired"]:
                 self.backend.retire(outcome["retired"])  # the servers rank 0 found failing
+            self.backend.set_version(version, adapters=adapters)
+
+    def _stream(self, policy: Any, version: int) -> None:
+        """Rank 0 streams the weights over gloo (``weight_transfer="gloo"``) while every
+        process gathers each tensor with it; each then records the version, or raises rank
+        0's failure."""
+        outcome: dict[str, Any] = {}
+        try:
+            self.backend.stream_weights(policy, version=version, send=self.rank == 0)
+        except GenerationServerError as exc:
+            outcome["failed"] = (str(exc), exc.url)
+        outcome = _from_rank_0(outcome)
+        if "failed" in outcome:
+            message, url = outcome["failed"]
+            raise GenerationServerError(message, url=url)
+        if self.rank != 0:
             self.backend.set_version(version)
 
 
@@ -86,6 +118,22 @@ def write_shared_folder(policy: Any, proposed: Path | None, *, rank: int, world_
         sharded=is_sharded(policy),
     )
     torch.distributed.barrier()  # every file is in place
+    return folder
+
+
+def write_shared_adapters(policy: Any, proposed: Path | None, *, rank: int) -> Path:
+    """Write a LoRA policy's adapters (peft's layout) into a sync folder from rank 0, and
+    return the folder once they are written (call it on every process: the adapter tensors
+    of an FSDP2-sharded policy are gathered whole, a collective; they are small).
+
+    Args:
+        policy: The unwrapped peft policy, sharded by FSDP2 or held whole by every process.
+        proposed: The folder, on rank 0 (the other processes learn it from rank 0).
+        rank: This process.
+    """
+    folder = Path(_from_rank_0(None if proposed is None else str(proposed)))
+    write_adapters(policy, folder, main=rank == 0)
+    torch.distributed.barrier()  # the files are in place
     return folder
 
 

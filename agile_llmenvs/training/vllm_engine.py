@@ -240,3 +240,17 @@ def _reprocess_tied_heads(model: Any) -> None:
         if weight.data_ptr() in owners:
             method.process_weights_after_loading(module)
         owners.add(weight.data_ptr())
+
+
+def _register_weight_transfer_engine() -> None:
+    """In a vLLM worker (vLLM imports this module for the worker extension, before it builds
+    the weight-transfer engine its config names), enter the gloo engine in vLLM's registry."""
+    import sys
+
+    if "vllm" in sys.modules:
+        from agile_llmenvs.training.vllm_gloo_engine import register
+
+        register()
+
+
+_register_weight_transfer_engine()

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["local_weights", "rank_file", "read_weights", "write_weights"]
+__all__ = ["local_weights", "rank_file", "read_weights", "weight_metas", "write_weights"]
 
 _DTYPES = {
     torch.float64: "F64",
@@ -48,24 +48,41 @@ def rank_file(folder: Path, rank: int, world_size: int) -> Path:
     return folder / f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
 
 
-def local_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def local_weights(model: Any, *, whole: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """``model``'s weights under the Hugging Face names a server loads, as this process holds
-    them: whole tensors, or the local rows of an FSDP2-sharded one. A LoRA model's adapted
-    weights come with their adapters merged in (``W + scale * B A``, the model untouched).
+    them: whole tensors, or the local rows of an FSDP2-sharded one (``whole``: gathered whole,
+    one at a time). A LoRA model's adapted weights come with their adapters merged in
+    (``W + scale * B A``, the model untouched).
 
     Every process of a sharded model must iterate it to the end, in step: a LoRA layer's
-    ``A`` is gathered whole (it is small: rank x in-features), a collective.
+    ``A`` is gathered whole (it is small: rank x in-features), a collective, and so is every
+    tensor with ``whole``.
     """
     from agile_llmenvs.training.lora import is_lora
 
+    piece = _whole if whole else _local
     if not is_lora(model):
         for name, param in model.named_parameters():
-            yield name, _local(param.detach())
+            yield name, piece(param.detach())
         return
-    yield from _merged_lora_weights(model)
+    yield from _merged_lora_weights(model, piece)
 
 
-def _merged_lora_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def weight_metas(model: Any) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The name, dtype and whole shape of each tensor :func:`local_weights` yields, in its
+    order, without gathering anything."""
+    from agile_llmenvs.training.lora import is_lora
+
+    if not is_lora(model):
+        return [(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters()]
+    return [
+        (name.replace(".base_layer.", "."), param.dtype, tuple(param.shape))
+        for name, param in model.get_base_model().named_parameters()
+        if ".lora_" not in name
+    ]
+
+
+def _merged_lora_weights(model: Any, piece: Any) -> Iterator[tuple[str, torch.Tensor]]:
     from peft.tuners.lora import LoraLayer
 
     from agile_llmenvs.training.lora import ADAPTER
@@ -82,13 +99,13 @@ def _merged_lora_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
         name = name.replace(".base_layer.", ".")
         layer = adapted.get(name)
         if layer is None:
-            yield name, _local(param.detach())
+            yield name, piece(param.detach())
             continue
         with torch.no_grad():
-            yield name, _merged(layer, _local(param.detach()))
+            yield name, _merged(layer, piece(param.detach()), piece)
 
 
-def _merged(layer: Any, weight: torch.Tensor) -> torch.Tensor:
+def _merged(layer: Any, weight: torch.Tensor, piece: Any) -> torch.Tensor:
     """``weight`` (this process's rows of the base weight) plus the same rows of the adapter's
     ``scale * B A``."""
     from agile_llmenvs.training.lora import ADAPTER
@@ -99,7 +116,7 @@ def _merged(layer: Any, weight: torch.Tensor) -> torch.Tensor:
             "sync is not supported; train plain LoRA adapters on Linear layers"
         )
     lora_a = layer.lora_A[ADAPTER].weight.detach()
-    lora_b = _local(layer.lora_B[ADAPTER].weight.detach())
+    lora_b = piece(layer.lora_B[ADAPTER].weight.detach())
     a_full = lora_a.full_tensor() if _is_dtensor(lora_a) else lora_a
     delta = (lora_b @ a_full) * layer.scaling[ADAPTER]
     return weight + delta.to(weight.dtype)
@@ -109,6 +126,11 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 parameter gathered whole (a collective), or the tensor itself."""
+    return tensor.full_tensor() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

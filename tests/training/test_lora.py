@@ -3,6 +3,7 @@ checkpoints hold (and restore) the adapters, and the merged weights equal the ad
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -10,17 +11,26 @@ from typing import Any
 
 import pytest
 import torch
+from training.launch import launch_two
 
 from agile_llmenvs.errors import CheckpointError, OptionalDependencyError
 from agile_llmenvs.specs import RunManifest
 from agile_llmenvs.specs.manifest import LoRASpec
 from agile_llmenvs.training import grpo_setup, supervised, train_dpo, train_grpo, train_sft
 from agile_llmenvs.training.common import reference_model
-from agile_llmenvs.training.lora import AdaptersOffReference, apply_lora, merged_weights
+from agile_llmenvs.training.lora import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    AdaptersOffReference,
+    adapter_rank,
+    apply_lora,
+    merged_weights,
+)
 
 pytest.importorskip("peft")
 
 LORA = {"r": 4, "alpha": 8.0}
+HERE = Path(__file__).resolve().parent
 
 
 def _load(model_dir: Path) -> Any:
@@ -202,3 +212,22 @@ def test_merged_weights_load_into_the_plain_model(tiny_model_dir: Path) -> None:
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
         assert torch.allclose(plain(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
+def test_fsdp_adapters_are_written_whole_in_peft_layout(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "sync"
+    done = launch_two(HERE / "sharded_adapters.py", str(tiny_model_dir), str(folder))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in folder.iterdir()) == [ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE]
+    written = load_file(str(folder / ADAPTER_WEIGHTS_FILE))
+    expected = load_file(str(tmp_path / "expected" / ADAPTER_WEIGHTS_FILE))
+    assert set(written) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(written[name], tensor), name
+    assert adapter_rank(folder) == 4

@@ -23,7 +23,13 @@ def whole_copy(policy: Any, model_dir: str | Path, *, on_rank: int | None = 0) -
         return None
     from transformers import AutoModelForCausalLM
 
+    from agile_llmenvs.training.lora import ADAPTER, is_lora
+
     copy = AutoModelForCausalLM.from_pretrained(model_dir)
+    if is_lora(policy):  # the same adapters on an unsharded base, the parameters in order
+        from peft import get_peft_model
+
+        copy = get_peft_model(copy, policy.peft_config[ADAPTER], adapter_name=ADAPTER)
     with torch.no_grad():
         for param, value in zip(copy.parameters(), whole, strict=True):
             param.copy_(value)

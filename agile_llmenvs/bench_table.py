@@ -241,6 +241,11 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
             detail="{best_write_s} s",
         ),
         Figure(
+            "gloo_over_floor",
+            f"{_SYNC}: the sync streamed over gloo (`weight_transfer: gloo`), same measure",
+            detail="{best_gloo_sync_s} s; over vLLM's own reload {gloo_over_vllm_reload}x",
+        ),
+        Figure(
             "load_over_vllm_reload",
             f"{_SYNC}: the server's part of it over vLLM reloading its own checkpoint from disk"
             " through the same RPC (reference)",

@@ -8,12 +8,16 @@ The model: a random-init Qwen2 of Qwen2.5-0.5B's config (hidden 896, 24 layers, 
 - ``sync_over_floor``: seconds of a weight sync as ``VLLMServerBackend.sync_weights`` does
   it (the trainer writes the sync folder, then the server reloads it tensor by tensor and
   resets its prefix cache, over HTTP), best of ``--repeats``, over the floor measured in the
-  same run: writing the same bytes to a file in the same folder and reading them back through
-  the page cache. Target <= 1.5. ``write_over_floor`` is the trainer's part alone over the
-  same floor; the rest (``server_load_s``) is mostly vLLM's own ``reload_weights``, which on
-  a CPU also repacks every GEMM weight for its kernels. ``load_over_vllm_reload`` is that
-  rest over the server reloading its own checkpoint from disk through the same RPC
-  (``vllm_reload_s``: vLLM's cost with nothing of ours in it).
+  same run, just before each sync with the server up: writing the same bytes to a file in the
+  same folder and reading them back through the page cache. Target <= 1.5.
+  ``write_over_floor`` is the trainer's part alone over the same floor; the rest
+  (``server_load_s``) is mostly vLLM's own ``reload_weights``, which on a CPU also repacks
+  every GEMM weight for its kernels. ``load_over_vllm_reload`` is that rest over the server
+  reloading its own checkpoint from disk through the same RPC (``vllm_reload_s``: vLLM's
+  cost with nothing of ours in it).
+- ``gloo_over_floor``: the same sync with ``weight_transfer="gloo"`` (the weights streamed a
+  layer at a time over a gloo group into vLLM's layerwise reload, nothing on disk), over the
+  same floor; ``gloo_over_vllm_reload`` over vLLM's own reload of its checkpoint.
 - ``sharded_extra_layers``: the highest resident memory of a training process above its
   memory before the sync, while 2 gloo processes holding the policy sharded by FSDP2 write
   their files of a sync folder (:func:`~agile_llmenvs.training.server_sync.write_shared_folder`),
@@ -124,19 +128,31 @@ def _sync_figures(model: Any, model_dir: Path, work: Path, repeats: int) -> dict
             "no interpreter with vllm: set AGILE_LLMENVS_VLLM_PYTHON, or pass --skip-server"
         )
     weights_dir = work / "sync"
+    weights_dir.mkdir(parents=True)
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    server = VLLMServerProcess(model_dir, python=python, env=env).start()
+    # a server that takes both: syncs from files, and weights streamed over gloo
+    server = VLLMServerProcess(model_dir, python=python, env=env, weight_transfer="gloo").start()
     try:
         server.wait_ready(timeout_s=900)  # a 0.5B model takes minutes on 2 cores
         backend = VLLMServerBackend(server.url, tokenizer=model_dir, weights_dir=weights_dir)
         try:
-            timings = [_timed_sync(backend, model, version=i + 1) for i in range(repeats)]
+            # each sync after its floor, under the same conditions (the server up and idle)
+            floors, timings = [], []
+            for i in range(repeats):
+                floors.append(_write_and_read(model, weights_dir / "floor.bin"))
+                timings.append(_timed_sync(backend, model, version=i + 1))
         finally:
             backend.close()
         own_reloads = [_own_reload(server.url, model_dir) for _ in range(repeats)]
+        streaming = VLLMServerBackend(server.url, tokenizer=model_dir, weight_transfer="gloo")
+        try:
+            streams = [
+                streaming.sync_weights(model, version=repeats + i + 1) for i in range(repeats)
+            ]
+        finally:
+            streaming.close()
     finally:
         server.stop()
-    floors = [_write_and_read(model, weights_dir / "floor.bin") for _ in range(repeats)]
     syncs = [write + load for write, load in timings]
     best = min(range(repeats), key=syncs.__getitem__)
     return {
@@ -152,6 +168,10 @@ def _sync_figures(model: Any, model_dir: Path, work: Path, repeats: int) -> dict
         "sync_over_floor": round(syncs[best] / min(floors), 3),
         "write_over_floor": round(timings[best][0] / min(floors), 3),
         "load_over_vllm_reload": round(timings[best][1] / min(own_reloads), 3),
+        "gloo_sync_s": [round(s, 3) for s in streams],
+        "best_gloo_sync_s": round(min(streams), 3),
+        "gloo_over_floor": round(min(streams) / min(floors), 3),
+        "gloo_over_vllm_reload": round(min(streams) / min(own_reloads), 3),
         "sync_target": SYNC_TARGET,
     }
 

@@ -27,6 +27,7 @@ __all__ = [
     "GenerationServerError",
     "GenerationTimeoutError",
     "ImportPathError",
+    "LogitTransformError",
     "ManifestError",
     "OptionalDependencyError",
     "ReplayError",
@@ -210,6 +211,11 @@ class EnvHostError(EnvConnectionError):
     it carried are over, and new sessions go to the healthy hosts while Ray restarts it."""
 
     code = "HOST_LOST"
+
+
+class LogitTransformError(AgileLLMEnvsError, TypeError):
+    """A model's forward changes its output layer's logits in a way the scored-token path
+    cannot reproduce (it would train on other log-probs than the sampler's)."""
 
 
 class CheckpointError(AgileLLMEnvsError):

@@ -19,6 +19,7 @@ from agile_llmenvs.training.sharding import frozen_sharded_copy, is_sharded, sha
 
 __all__ = [
     "TrainResult",
+    "ddp_settings",
     "load_policy",
     "model_dir",
     "prepare_policy",
@@ -102,6 +103,18 @@ def vision_processor(spec: ModelSpec) -> Any:
     return load_processor(path) if is_vision_model(path) else None
 
 
+def ddp_settings() -> Any:
+    """``accelerate``'s DDP settings for the policy: no broadcast of buffers in the forward.
+
+    DDP's first forward broadcasts the module's buffers (rotary frequencies, the same on
+    every process), a collective; a process with no rows to learn from runs no forward, so
+    the others would wait for it forever.
+    """
+    from accelerate import DistributedDataParallelKwargs
+
+    return DistributedDataParallelKwargs(broadcast_buffers=False)
+
+
 def prepare_policy(
     manifest: RunManifest, config: TrainingSpec, *, total_steps: int
 ) -> tuple[Learner, Any]:
@@ -132,7 +145,9 @@ def prepare_policy(
             "training.mixed_precision: fp16 needs a GPU; use bf16 (or no) on CPU"
         )
     accelerator = Accelerator(
-        cpu=not torch.cuda.is_available(), mixed_precision=config.mixed_precision
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=config.mixed_precision,
+        kwargs_handlers=[ddp_settings()],
     )
     seed_everything(manifest.seed)
     model, tokenizer = load_policy(manifest.model)

@@ -7,6 +7,10 @@ call), its last hidden state is caught on the way out, and the output layer is a
 the positions a loss scores, a chunk of ``chunk_tokens`` at a time, with a log-sum-exp. A
 chunk's logits are recomputed in the backward pass instead of kept, so the peak is
 ``O(chunk_tokens x V)`` whatever the batch size or sequence length.
+
+What the model's forward does to the output layer's logits (Gemma 2's soft cap, Granite's and
+Cohere's scales) is applied to each chunk too: :func:`probe_logit_transform` finds it on the
+first call for a model, and refuses a model whose logits it cannot reproduce.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "ScoredLogps", "scored_token_logps"]
+from agile_llmenvs.training.logit_transform import LogitTransform, probe_logit_transform
+
+__all__ = ["DEFAULT_CHUNK_TOKENS", "ScoredLogps", "probe_once", "scored_token_logps"]
 
 #: Positions whose logits are held at once: 256 x 151,936 fp32 logits are 156 MB.
 DEFAULT_CHUNK_TOKENS = 256
@@ -62,9 +68,14 @@ def scored_token_logps(
         with_entropy: Also return each scored position's entropy (no gradient).
         model_inputs: Further inputs of the model's forward: a vision-language model's
             image inputs (:func:`~agile_llmenvs.core.images.image_model_inputs`).
+
+    Raises:
+        LogitTransformError: The model's forward changes the output layer's logits in a way
+            this path cannot reproduce (checked once per model, on the first call).
     """
     hf_model = _unwrap(model)
     output_layer = hf_model.get_output_embeddings()
+    transform = probe_logit_transform(model, hf_model, input_ids_BT.device)
     scored: list[ScoredLogps] = []
 
     def score(_decoder: Any, _inputs: Any, output: Any) -> None:
@@ -76,6 +87,7 @@ def scored_token_logps(
                 input_ids_BT,
                 score_mask_BT,
                 output_layer,
+                transform=transform,
                 temperature=temperature,
                 chunk_tokens=chunk_tokens,
                 with_entropy=with_entropy,
@@ -104,11 +116,13 @@ def _score_hidden(
     score_mask_BT: torch.Tensor,
     output_layer: Any,
     *,
+    transform: LogitTransform,
     temperature: float,
     chunk_tokens: int,
     with_entropy: bool,
 ) -> ScoredLogps:
-    """The output layer on the scored positions of ``hidden_BTH``, a chunk at a time."""
+    """The output layer, then ``transform``, on the scored positions of ``hidden_BTH``, a
+    chunk at a time."""
     positions = score_mask_BT.nonzero(as_tuple=True)
     hidden_NH = hidden_BTH[:, :-1][positions]
     targets_N = input_ids_BT[:, 1:][positions]
@@ -127,7 +141,13 @@ def _score_hidden(
     for start in range(0, targets_N.shape[0], chunk_tokens):
         chunk = slice(start, start + chunk_tokens)
         logp_N, entropy_N = _ChunkLogps.apply(
-            hidden_NH[chunk], weight_VH, bias_V, targets_N[chunk], temperature, with_entropy
+            hidden_NH[chunk],
+            weight_VH,
+            bias_V,
+            targets_N[chunk],
+            transform,
+            temperature,
+            with_entropy,
         )
         logps.append(logp_N)
         entropies.append(entropy_N)
@@ -137,10 +157,11 @@ def _score_hidden(
 
 
 class _ChunkLogps(torch.autograd.Function):
-    """``log softmax((h W^T + b) / T)`` at the target ids of one chunk of positions.
+    """``log softmax(f(h W^T + b) / T)`` at the target ids of one chunk of positions, ``f``
+    the model's post-head transform.
 
     Nothing of size ``V`` is kept for the backward pass: it recomputes the chunk's logits,
-    and ``d logp / d logits = (onehot(target) - softmax) / T`` gives the gradients of the
+    and ``d logp / d y = (onehot(target) - softmax) f'(y) / T`` gives the gradients of the
     hidden states, the weight and the bias. The matmuls run in the inputs' dtype (bf16 under
     ``mixed_precision: bf16``), the softmax in fp32.
     """
@@ -152,11 +173,13 @@ class _ChunkLogps(torch.autograd.Function):
         weight_VH: torch.Tensor,
         bias_V: torch.Tensor | None,
         targets_N: torch.Tensor,
+        transform: LogitTransform,
         temperature: float,
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.temperature = temperature
-        logits_NV = _logits(hidden_NH, weight_VH, bias_V, temperature)
+        ctx.transform, ctx.temperature = transform, temperature
+        logits_NV = transform.apply_(_head_logits(hidden_NH, weight_VH, bias_V))
+        logits_NV = logits_NV.div_(temperature) if temperature != 1.0 else logits_NV
         logsumexp_N = torch.logsumexp(logits_NV, dim=-1)
         logp_N = logits_NV.gather(-1, targets_N[:, None])[:, 0] - logsumexp_N
         entropy_N = logp_N.new_zeros(())
@@ -172,11 +195,15 @@ class _ChunkLogps(torch.autograd.Function):
         ctx: Any, grad_logp_N: torch.Tensor, _grad_entropy: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         hidden_NH, weight_VH, bias_V, targets_N, logsumexp_N = ctx.saved_tensors
-        logits_NV = _logits(hidden_NH, weight_VH, bias_V, ctx.temperature)
+        transform: LogitTransform = ctx.transform
+        logits_NV = transform.apply_(_head_logits(hidden_NH, weight_VH, bias_V))
+        slope = transform.slope(logits_NV)  # f'(y), taken before the logits are overwritten
+        if ctx.temperature != 1.0:
+            logits_NV = logits_NV.div_(ctx.temperature)
         # the logits' gradient, in place over them: -g * softmax, plus g at the target
         grad_NV = logits_NV.sub_(logsumexp_N[:, None]).exp_().mul_(-grad_logp_N[:, None])
         grad_NV.scatter_add_(-1, targets_N[:, None], grad_logp_N[:, None])
-        grad_NV = grad_NV.div_(ctx.temperature).to(hidden_NH.dtype)
+        grad_NV = grad_NV.mul_(slope).div_(ctx.temperature).to(hidden_NH.dtype)
         grad_hidden = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_hidden = grad_NV @ weight_VH
@@ -184,19 +211,15 @@ class _ChunkLogps(torch.autograd.Function):
             grad_weight = grad_NV.t() @ hidden_NH
         if bias_V is not None and ctx.needs_input_grad[2]:
             grad_bias = grad_NV.sum(dim=0)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
-def _logits(
-    hidden_NH: torch.Tensor,
-    weight_VH: torch.Tensor,
-    bias_V: torch.Tensor | None,
-    temperature: float,
+def _head_logits(
+    hidden_NH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None
 ) -> torch.Tensor:
-    """The chunk's logits over the temperature, in fp32 (the matmul in the inputs' dtype)."""
+    """The output layer's logits of the chunk, in fp32 (the matmul in the inputs' dtype)."""
     with torch.autocast(hidden_NH.device.type, enabled=False):
-        logits_NV = torch.nn.functional.linear(hidden_NH, weight_VH, bias_V).float()
-    return logits_NV.div_(temperature) if temperature != 1.0 else logits_NV
+        return torch.nn.functional.linear(hidden_NH, weight_VH, bias_V).float()
 
 
 def _scatter(values: list[torch.Tensor], mask_BT: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -211,6 +234,17 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
+
+
+def probe_once(model: Any, device: torch.device) -> LogitTransform:
+    """``model``'s post-head transform, probed on the first call for it
+    (:func:`~agile_llmenvs.training.logit_transform.probe_logit_transform`).
+
+    A process that joins a sharded model's forwards without scoring (an idle pass) calls it
+    too, so that the probe's forward, a collective under FSDP, runs on every process at the
+    same point: before the first forward of ``model`` that any process scores or idles.
+    """
+    return probe_logit_transform(model, _unwrap(model), device)
 
 
 def _unwrap(model: Any) -> Any:

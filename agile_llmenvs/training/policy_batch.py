@@ -51,8 +51,9 @@ class PolicyBatch:
         return PolicyBatch(ids, attention, actions, sampling, advantages, self.images_B)
 
     def select(self, rows: slice) -> PolicyBatch:
-        """``rows`` of the batch, cut to the longest of them."""
-        width = int(self.attention_mask_BT[rows].sum(dim=1).max().item()) if self.rows else 2
+        """``rows`` of the batch, cut to the longest of them (none: an empty batch)."""
+        lengths = self.attention_mask_BT[rows].sum(dim=1)
+        width = int(lengths.max().item()) if lengths.numel() else 2
         return PolicyBatch(
             self.input_ids_BT[rows, :width],
             self.attention_mask_BT[rows, :width],

@@ -104,7 +104,13 @@ def frozen_sharded_copy(model: Any, device: torch.device) -> Any:
 
 def idle_forward(model: Any, device: torch.device) -> torch.Tensor:
     """A zero through the whole of ``model`` (a forward on one 2-token row): a process with
-    no rows left still joins the others' gathers (and, backpropagated, their reductions)."""
+    no rows left still joins the others' gathers (and, backpropagated, their reductions).
+
+    The first pass of a model probes its post-head transform, as the first scored pass of
+    the others does (:func:`~agile_llmenvs.training.logprobs.probe_once`)."""
+    from agile_llmenvs.training.logprobs import probe_once
+
+    probe_once(model, device)
     ids = torch.zeros((1, 2), dtype=torch.long, device=device)
     return model(input_ids=ids, logits_to_keep=1).logits.sum() * 0.0
 

@@ -8,6 +8,9 @@ Cases:
   :func:`~agile_llmenvs.training.common.reference_model` (under ``fsdp``, a copy sharded like
   the policy); rank 0 holds rows 0-4 of the synthetic batch and rank 1 rows 5-6, micro-batches
   of 3 rows, so one rank scores and learns from two micro-batches and the other from one.
+- ``grpo_kl_idle``: the same with every row on rank 0: rank 1 has nothing to score or
+  learn from (its episodes all failed, say), so its first pass of each model is an idle one
+  (the models' post-head probes must pair up with rank 0's all the same).
 - ``lora_grpo``: the same update of LoRA adapters, whose reference is the base model with the
   adapters off.
 - ``dpo``: DPO on four preference pairs, rank 0 three and rank 1 one, micro-batches of 2
@@ -38,7 +41,7 @@ from update_cases import LR, load_model, synthetic_batch
 
 from agile_llmenvs.llm_envs.dataset_env import PreferenceBatch
 from agile_llmenvs.specs.manifest import LoRASpec
-from agile_llmenvs.training.common import reference_model
+from agile_llmenvs.training.common import ddp_settings, reference_model
 from agile_llmenvs.training.dpo import DPOObjective
 from agile_llmenvs.training.grpo_update import UpdateSettings, grpo_update
 from agile_llmenvs.training.learner import Learner
@@ -112,7 +115,7 @@ def describe_reference(reference: Any, policy: torch.nn.Module) -> dict[str, Any
 
 if __name__ == "__main__":
     case, mode, model_dir, output = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[ddp_settings()])  # as training's
     rank = accelerator.process_index
     model = load_model(model_dir)
     grpo_batch = synthetic_batch(model)  # before any change: every rank builds the same one
@@ -139,7 +142,8 @@ if __name__ == "__main__":
             objective = DPOObjective(reference, beta=0.1, chunk_tokens=4096)
             metrics.append(dataset_update(learner, pairs, objective, 2))
         else:
-            rows = slice(0, 5) if rank == 0 else slice(5, 7)
+            split = 7 if case == "grpo_kl_idle" else 5
+            rows = slice(0, split) if rank == 0 else slice(split, 7)
             metrics.append(grpo_update(learner, grpo_batch.select(rows), GRPO, reference))
     delta = flat(plain) - before
     described = None

@@ -28,7 +28,7 @@ def _run(case: str, mode: str, model_dir: Path, tmp_path: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
-@pytest.mark.parametrize("case", ["grpo_kl", "dpo", "lora_grpo"])
+@pytest.mark.parametrize("case", ["grpo_kl", "grpo_kl_idle", "dpo", "lora_grpo"])
 def test_a_sharded_policy_takes_data_parallels_update(
     tiny_model_dir: Path, tmp_path: Path, case: str
 ) -> None:

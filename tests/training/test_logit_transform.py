@@ -1,0 +1,209 @@
+"""Scored log-probs equal the model's own ``log_softmax(forward(...).logits / T)``, whatever the
+forward does after the output layer; a model whose logits cannot be reproduced is refused."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from training.logit_families import (
+    TOLERANCE,
+    FamilyResult,
+    FamilySkipped,
+    _build,
+    _inputs,
+    check_family,
+)
+
+from agile_llmenvs.errors import LogitTransformError
+from agile_llmenvs.training.logit_transform import LogitTransform, probe_logit_transform
+from agile_llmenvs.training.logprobs import scored_token_logps
+
+#: The fast subset: plain families and the post-head transforms the issue names.
+FAST = {
+    "qwen2": LogitTransform(),
+    "llama": LogitTransform(),
+    "gemma2": LogitTransform(softcap=2.0),
+    "gemma3_text": LogitTransform(softcap=2.0),
+    "granite": LogitTransform(scale=0.25),  # logits / logits_scaling
+    "cohere": LogitTransform(scale=0.25),  # logits * logit_scale
+    "cohere2": LogitTransform(scale=0.25),
+}
+#: Families of the full sweep whose forward transforms the output layer's logits.
+TRANSFORMED = {
+    "beam": LogitTransform(softcap=2.0),
+    "cohere2_moe": LogitTransform(scale=0.25),
+    "granite_swa": LogitTransform(scale=0.25),
+    "granitemoe": LogitTransform(scale=0.25),
+    "granitemoe_swa": LogitTransform(scale=0.25),
+    "granitemoeshared": LogitTransform(scale=0.25),
+    "granitemoehybrid": LogitTransform(scale=0.25),
+    "gemma3n_text": LogitTransform(softcap=2.0),
+    "gemma4": LogitTransform(softcap=2.0),
+    "gemma4_text": LogitTransform(softcap=2.0),
+    "gemma4_unified": LogitTransform(softcap=2.0),
+    "gemma4_unified_text": LogitTransform(softcap=2.0),
+    "inkling_text": LogitTransform(scale=1 / 24),  # hidden / logits_mup_width_multiplier
+    "inkling2_text": LogitTransform(softcap=2.0),
+    "inkling2_loop_text": LogitTransform(softcap=2.0),
+    "recurrent_gemma": LogitTransform(softcap=2.0),  # logits_soft_cap
+    "xlstm": LogitTransform(softcap=2.0),  # output_logit_soft_cap
+    "hyperclovax": LogitTransform(scale=4.0),  # logits * logits_scaling, unlike Granite
+    "minicpm3": LogitTransform(scale=4.0),  # hidden / (hidden_size / dim_model_base)
+    "gemma3": LogitTransform(),  # Gemma3ForConditionalGeneration does not soft-cap
+    "nanochat": LogitTransform(softcap=2.0),
+    "vaultgemma": LogitTransform(softcap=2.0),
+}
+
+#: Families refused: a BERT-style head (dense, activation, norm) runs before the output layer,
+#: the decoder's output is not the output layer's input (ELECTRA, RemBERT), or `get_decoder()`
+#: returns the whole model (Llama 4 text, Mllama) or the output layer (ModernBERT decoder), or
+#: the logits come from another stream than the decoder's output (ProphetNet's n-gram streams).
+REFUSED = sorted(
+    [
+        "bert",
+        "big_bird",
+        "camembert",
+        "data2vec-text",
+        "electra",
+        "ernie",
+        "llama4",
+        "llama4_text",
+        "megatron-bert",
+        "mllama",
+        "modernbert-decoder",
+        "prophetnet",
+        "rembert",
+        "roberta",
+        "roberta-prelayernorm",
+        "roc_bert",
+        "roformer",
+        "xlm-roberta",
+        "xlm-roberta-xl",
+    ]
+)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAST))
+def test_scored_logps_equal_the_models_own_at_both_temperatures(model_type: str) -> None:
+    result = check_family(model_type)
+    assert result == FamilyResult(FAST[model_type], max_error=result.max_error)
+    assert result.max_error <= TOLERANCE
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "granite"])
+def test_gradients_through_the_transform_match_autograd(model_type: str) -> None:
+    model = _build(model_type)
+    ids, attention, mask = _inputs(model.config)
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
+    scored = scored_token_logps(model, ids, attention, mask, temperature=0.7, chunk_tokens=5)
+    (scored.logps_BT * weights).sum().backward()
+    ours = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
+    own = torch.log_softmax(logits[:, :-1] / 0.7, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    (own * mask * weights).sum().backward()
+    for mine, theirs in zip(ours, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "granite", "cohere"])
+def test_the_probe_finds_the_transform_in_bf16_and_under_autocast(model_type: str) -> None:
+    model = _build(model_type)
+    ids, _, _ = _inputs(model.config)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert probe_logit_transform(model, model, ids.device) == FAST[model_type]
+    half = _build(model_type).to(torch.bfloat16)
+    assert probe_logit_transform(half, half, ids.device) == FAST[model_type]
+
+
+def _biased_qwen2() -> Any:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    class BiasedQwen2(Qwen2ForCausalLM):
+        """Adds a bias to the logits after the output layer: nothing the probe can fit."""
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits + torch.linspace(0, 3, out.logits.shape[-1])
+            return out
+
+    config = Qwen2Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    torch.manual_seed(0)
+    return BiasedQwen2(config)
+
+
+def test_a_model_whose_logits_cannot_be_reproduced_is_refused() -> None:
+    model = _biased_qwen2()
+    ids = torch.randint(0, 128, (1, 6))
+    expected = (
+        "BiasedQwen2's logits are not its output layer's logits of the decoder's last hidden "
+        "state under a transform the scored path can reproduce: the closest fit, z = NUM * y "
+        "(y the output layer's logits, z the forward's), is off by up to NUM (tolerance NUM) "
+        "on a 8-token probe. The scored path applies the output layer a chunk at a time and "
+        "would train on other log-probs than the sampler's. Supported: a scale, then a tanh "
+        "soft cap read from the config's `final_logit_softcapping`, `logits_soft_cap`, "
+        "`output_logit_soft_cap`; describe another transform in "
+        "agile_llmenvs/training/logit_transform.py"
+    )
+    pattern = re.escape(expected).replace("NUM", r"[0-9.e+-]+")
+    with pytest.raises(LogitTransformError, match=f"^{pattern}$"):
+        scored_token_logps(model, ids, torch.ones_like(ids), torch.ones(1, 5, dtype=torch.bool))
+
+
+def test_the_probe_runs_once_per_model() -> None:
+    model = _build("gemma2")
+    ids, attention, mask = _inputs(model.config)
+    shapes: list[tuple[int, ...]] = []
+    model.lm_head.register_forward_hook(lambda m, i, o: shapes.append(tuple(o.shape)))
+    scored_token_logps(model, ids, attention, mask)
+    scored_token_logps(model, ids, attention, mask)
+    vocab = model.config.vocab_size
+    assert shapes == [(1, 8, vocab), (2, 1, vocab), (2, 1, vocab)]  # probe, then one each
+
+
+@pytest.mark.slow
+def test_every_causal_lm_family_scores_its_own_logps_or_is_refused() -> None:
+    """The whole of ``MODEL_FOR_CAUSAL_LM_MAPPING`` (about a minute on 2 cores): each family
+    builds tiny and matches its own log-probs, is refused with a LogitTransformError, or is
+    skipped (printed with the reason) because it does not build offline at a tiny size."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    passed: dict[str, FamilyResult] = {}
+    refused: dict[str, str] = {}
+    skipped: dict[str, str] = {}
+    # one intra-op thread: the forward's matmuls and the chunked path's then sum in one order;
+    # with two, a few families' sharpened logits (~100) differ by fp32 rounding alone (2e-5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = {}
+        for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+            try:
+                results[model_type] = check_family(model_type)
+            except FamilySkipped as exc:
+                skipped[model_type] = str(exc)
+    finally:
+        torch.set_num_threads(threads)
+    for model_type, result in results.items():
+        if result.refused is not None:
+            refused[model_type] = result.refused
+        else:
+            passed[model_type] = result
+    for title, rows in (("refused", refused), ("skipped", skipped)):
+        print(f"\n{len(rows)} {title}:")
+        print("\n".join(f"  {name}: {reason[:150]}" for name, reason in rows.items()))
+    print(f"\n{len(passed)} passed")
+    assert {name: r.max_error for name, r in passed.items() if r.max_error > TOLERANCE} == {}
+    assert sorted(refused) == REFUSED
+    for name, transform in {**FAST, **TRANSFORMED}.items():
+        assert passed[name].transform == transform, name

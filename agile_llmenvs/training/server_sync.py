@@ -73,10 +73,7 @@ class ServerWeightSync:
                 outcome["retired"] = load(folder, version=version)
             except GenerationServerError as exc:
                 outcome["failed"] = (str(exc), exc.url)
-        outcome = _from_rank_0(outcome)
-        if "failed" in outcome:
-            message, url = outcome["failed"]
-            raise GenerationServerError(message, url=url)
+        outcome = _rank_0_outcome(outcome)
         if self.rank != 0:
             if outcome["retired"]:
                 self.backend.retire(outcome["retired"])  # the servers rank 0 found failing
@@ -91,12 +88,18 @@ class ServerWeightSync:
             self.backend.stream_weights(policy, version=version, send=self.rank == 0)
         except GenerationServerError as exc:
             outcome["failed"] = (str(exc), exc.url)
-        outcome = _from_rank_0(outcome)
-        if "failed" in outcome:
-            message, url = outcome["failed"]
-            raise GenerationServerError(message, url=url)
+        _rank_0_outcome(outcome)
         if self.rank != 0:
             self.backend.set_version(version)
+
+
+def _rank_0_outcome(outcome: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's outcome of a sync, on every process; its failure raised on every process."""
+    outcome = _from_rank_0(outcome)
+    if "failed" in outcome:
+        message, url = outcome["failed"]
+        raise GenerationServerError(message, url=url)
+    return outcome
 
 
 def write_shared_folder(policy: Any, proposed: Path | None, *, rank: int, world_size: int) -> Path:

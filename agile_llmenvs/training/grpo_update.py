@@ -148,6 +148,7 @@ def grpo_update(
         for rows in _mini_batch_rows(batch.rows, settings.mini_batches):
             counts = _token_counts(learner.accelerator, batch, rows, settings)
             if counts.tokens == 0:  # every process sees the same count, and skips together
+                learner.skip_step()
                 continue
             loss_of = partial(
                 _micro_loss,

@@ -18,6 +18,7 @@ also runs a sharded reference, DPO's, brings its own zero-loss pass through both
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -88,6 +89,15 @@ class Learner:
         self.optimizer.step()
         self.scheduler.step()
         return float(grad_norm)
+
+    def skip_step(self) -> None:
+        """Move the schedule on as one optimizer step would, without one (a mini-batch with
+        no scored token): the schedule counts every planned step, so a skipped one would
+        leave it behind for the rest of the run."""
+        with warnings.catch_warnings():
+            # torch warns when the first scheduler step comes before any optimizer step
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+            self.scheduler.step()
 
     def _no_loss(self) -> torch.Tensor:
         """A zero loss through the whole model: a process with no rows left still takes part

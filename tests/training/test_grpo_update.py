@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -9,9 +10,9 @@ import pytest
 import torch
 from accelerate import Accelerator
 from training.launch import launch_two
-from training.update_cases import load_model, update_delta
+from training.update_cases import load_model, make_learner, synthetic_batch, update_delta
 
-from agile_llmenvs.training.grpo_update import UpdateSettings
+from agile_llmenvs.training.grpo_update import UpdateSettings, grpo_update
 
 HERE = Path(__file__).resolve().parent
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
@@ -114,3 +115,22 @@ def test_hf_generation_on_an_fsdp2_policy_equals_the_unsharded_one(
         plain = backend.generate([prompt], params)[0]
         assert sharded["ids"] == list(plain.token_ids)
         assert sharded["logps"] == pytest.approx(list(plain.logprobs), abs=1e-5)
+
+
+def test_a_mini_batch_with_no_scored_token_still_moves_the_schedule(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir)
+    batch = synthetic_batch(model)
+    # two mini-batches, rows 0-3 and 4-6 (7 rows split as evenly as rounding allows); the
+    # second has no scored token: no optimizer step for it, but the schedule counts it
+    action_BT = batch.action_mask_BT.clone()
+    action_BT[4:] = False
+    batch = dataclasses.replace(batch, action_mask_BT=action_BT)
+    learner = make_learner(model, Accelerator(cpu=True))
+    learner.scheduler = torch.optim.lr_scheduler.LambdaLR(
+        learner.optimizer, lambda step: 1.0 - step / 10
+    )
+    settings = UpdateSettings(loss_type="dapo", max_completion_tokens=20, mini_batches=2)
+    metrics = grpo_update(learner, batch, settings)
+    assert metrics["grad_norm"] > 0.0  # the first mini-batch's step
+    assert learner.scheduler.last_epoch == 2  # both planned steps counted
+    assert learner.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.8)  # LR x (1 - 2/10)

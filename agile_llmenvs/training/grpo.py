@@ -34,7 +34,7 @@ from agile_llmenvs.training.grpo_setup import GRPORun, setup_run, step_seed
 from agile_llmenvs.training.grpo_update import grpo_update
 from agile_llmenvs.training.held_out import EVAL_METRICS
 from agile_llmenvs.training.interrupt import StopRequest
-from agile_llmenvs.training.losses import group_advantages
+from agile_llmenvs.training.losses import group_advantages, group_rewards
 from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
 from agile_llmenvs.training.policy_batch import PolicyBatch, build_policy_batch
 from agile_llmenvs.training.progress import Progress
@@ -202,7 +202,8 @@ def _step(
         rewards_GN, scale=config.scale_advantages, finished_GN=finished_GN & fresh_GN
     )
     pad_id = run.tokenizer.pad_token_id or 0
-    batch = build_policy_batch(rollout, advantages_GN.flatten(), pad_id, kept_GN.flatten().tolist())
+    advantages_B = advantages_GN.flatten().float()  # centred in float64, trained in float32
+    batch = build_policy_batch(rollout, advantages_B, pad_id, kept_GN.flatten().tolist())
     learning_rate = run.learner.scheduler.get_last_lr()[0]
     learn_start = time.perf_counter()
     losses = grpo_update(run.learner, batch.to(run.accelerator.device), run.settings, run.reference)
@@ -291,8 +292,8 @@ def _collect(
     seconds spent generating (with servers: waiting for the round)."""
     if run.server is not None:
         played, waited = run.server.next_round(step_index)
-        rewards_GN = torch.tensor([t.reward for t in played.batch.trajectories])
-        return played.batch, rewards_GN.view(-1, config.group_size), waited
+        rewards_GN = group_rewards([t.reward for t in played.batch.trajectories], config.group_size)
+        return played.batch, rewards_GN, waited
     run.sampler.params = dataclasses.replace(run.sampler.params, seed=seed)
     run.sampler.seconds, run.sampler.calls = 0.0, 0
     run.accelerator.unwrap_model(run.model).eval()
@@ -301,8 +302,8 @@ def _collect(
         run.sampler.drain()
     if run.engine is not None:  # learning has the device (sleep_between_steps)
         run.engine.sleep()
-    rewards_GN = torch.tensor([t.reward for t in rollout.trajectories])
-    return rollout, rewards_GN.view(-1, config.group_size), run.sampler.seconds
+    rewards_GN = group_rewards([t.reward for t in rollout.trajectories], config.group_size)
+    return rollout, rewards_GN, run.sampler.seconds
 
 
 def _save(output_dir: Path, step: int, run: GRPORun) -> Path:

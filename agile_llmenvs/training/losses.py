@@ -9,6 +9,7 @@ micro-batches, or over processes, leaves the sum, and the gradient, unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,12 +22,20 @@ __all__ = [
     "approx_kl",
     "dpo_loss",
     "group_advantages",
+    "group_rewards",
     "policy_token_loss",
     "token_weights",
 ]
 
 LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo"]
 """How GRPO's per-token losses are averaged; see :func:`token_weights`."""
+
+
+def group_rewards(rewards: Sequence[float], group_size: int) -> torch.Tensor:
+    """Episode rewards as ``[G, N]`` groups, in float64: rewards that differ far below a
+    float32's resolution at their size (100.0 against 100.00001) keep their difference, so
+    their group's advantages keep its sign and size."""
+    return torch.tensor(rewards, dtype=torch.float64).view(-1, group_size)
 
 
 def group_advantages(

@@ -12,6 +12,7 @@ from agile_llmenvs.training.losses import (
     approx_kl,
     dpo_loss,
     group_advantages,
+    group_rewards,
     policy_token_loss,
     token_weights,
 )
@@ -33,6 +34,19 @@ def test_group_advantages_scaled_by_population_std() -> None:
     assert advantages[0].tolist() == pytest.approx(expected)
     # equal rewards: 0 / (0 + eps) stays 0 instead of NaN
     assert group_advantages(rewards, scale=True)[0][1].tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_rewards_closer_than_float32_resolves_keep_their_difference() -> None:
+    # 100.0 and 100.00001: the mean is 100.000005, each member 5e-6 from it, and the
+    # population std is 5e-6, so the scaled advantages are -+5e-6 / (5e-6 + 1e-6) = -+5/6;
+    # float32 holds 100.00001 as 100.0000076 (its spacing at 100 is 7.6e-6) and rounds the
+    # mean down to 100.0, which gave (0, +1.19)
+    rewards = group_rewards([100.0, 100.00001, 7.0, 7.0], group_size=2)
+    assert rewards.dtype == torch.float64
+    assert rewards.shape == (2, 2)
+    advantages, _ = group_advantages(rewards, scale=True)
+    assert advantages[0].tolist() == pytest.approx([-5 / 6, 5 / 6], rel=1e-9)
+    assert advantages[1].tolist() == [0.0, 0.0]
 
 
 def test_a_failed_member_is_no_reward_of_zero() -> None:

@@ -18,6 +18,7 @@ also runs a sharded reference, DPO's, brings its own zero-loss pass through both
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -96,7 +97,7 @@ class Learner:
         leave it behind for the rest of the run."""
         with warnings.catch_warnings():
             # torch warns when the first scheduler step comes before any optimizer step
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()
 
     def _no_loss(self) -> torch.Tensor:

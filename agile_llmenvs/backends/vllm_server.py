@@ -548,17 +548,13 @@ class VLLMServerBackend(LocalChatBackend):
     async def _lora_settings(self, server: _Server) -> tuple[int | None, bool]:
         """The server's ``--max-lora-rank`` (``None``: no LoRA) and whether it loads
         adapters at run time."""
-        session = self._client()
-        url = f"{server.url}/server_info?config_format=json"
+        info = await self._server_info(server)
         try:
-            async with session.get(url) as response:
-                response.raise_for_status()
-                info = await response.json()
             lora = info["vllm_config"].get("lora_config")
             runtime = info["vllm_env"].get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", False)
-        except (TimeoutError, self._aiohttp.ClientError, KeyError, TypeError) as exc:
+        except (KeyError, TypeError, AttributeError) as exc:
             raise GenerationServerError(
-                f"{url}: {type(exc).__name__}: {exc}", url=server.url
+                f"{server.url}/server_info: {type(exc).__name__}: {exc}", url=server.url
             ) from exc
         return (int(lora["max_lora_rank"]) if lora else None), runtime in (True, "True", "1")
 
@@ -601,17 +597,13 @@ class VLLMServerBackend(LocalChatBackend):
     async def _check_gloo(self) -> None:
         """Raise unless every server was started with the gloo engine (else the group's
         start would wait ``timeout_s`` for a server that never joins)."""
-        session = self._client()
         for server in self._servers:
-            url = f"{server.url}/server_info?config_format=json"
+            info = await self._server_info(server)
             try:
-                async with session.get(url) as response:
-                    response.raise_for_status()
-                    info = await response.json()
                 config = info["vllm_config"].get("weight_transfer_config") or {}
-            except (TimeoutError, self._aiohttp.ClientError, KeyError, TypeError) as exc:
+            except (KeyError, TypeError, AttributeError) as exc:
                 raise GenerationServerError(
-                    f"{url}: {type(exc).__name__}: {exc}", url=server.url
+                    f"{server.url}/server_info: {type(exc).__name__}: {exc}", url=server.url
                 ) from exc
             if config.get("backend") != "agile_gloo":
                 raise GenerationServerError(
@@ -622,6 +614,21 @@ class VLLMServerBackend(LocalChatBackend):
                     "weight_transfer: files",
                     url=server.url,
                 )
+
+    async def _server_info(self, server: _Server) -> dict[str, Any]:
+        """The server's settings (``GET /server_info``, vLLM's dev mode) as JSON."""
+        url = f"{server.url}/server_info?config_format=json"
+        try:
+            async with self._client().get(url) as response:
+                response.raise_for_status()
+                info = await response.json()
+        except (TimeoutError, self._aiohttp.ClientError) as exc:
+            raise GenerationServerError(
+                f"{url}: {type(exc).__name__}: {exc}", url=server.url
+            ) from exc
+        if not isinstance(info, dict):
+            raise GenerationServerError(f"{url}: not a JSON object: {info!r}", url=server.url)
+        return info
 
     async def _call_all(
         self, path: str, body: dict[str, Any] | list[dict[str, Any]] | None

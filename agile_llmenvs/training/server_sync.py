@@ -55,7 +55,7 @@ class ServerWeightSync:
             self.backend.sync_weights(policy, version=version)
             return
         adapters = self.backend.syncs_adapters(policy)  # the same on every process
-        if getattr(self.backend, "weight_transfer", "files") == "gloo" and not adapters:
+        if self.backend.weight_transfer == "gloo" and not adapters:
             self._stream(policy, version)
             return
         proposed = self.backend.weights_folder(version) if self.rank == 0 else None

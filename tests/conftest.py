@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -68,3 +69,24 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from agile_llmenvs.tiny_vlm import build_tiny_vlm
 
     return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "model")
+
+
+def sharpen(model_dir: Path, out_dir: Path, factor: float = 3.0) -> Path:
+    """A copy of ``model_dir`` whose output layer (tied to the embeddings) is ``factor`` times
+    larger: the tiny random model's next-token distributions are nearly flat, and a peaked one
+    shows what top-p, top-k and min-p truncate (at 3, top-p 0.8 keeps about a third of the
+    vocabulary instead of three quarters)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(factor)
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def sharp_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a peaked next-token distribution (:func:`sharpen`)."""
+    return sharpen(tiny_model_dir, tmp_path_factory.mktemp("sharp-model") / "model")

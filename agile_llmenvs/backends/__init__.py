@@ -21,6 +21,7 @@ from agile_llmenvs.backends.types import (
     Messages,
     SamplingParams,
     TokenBackend,
+    TokenDistribution,
     ToolCall,
     Tools,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "RetryPolicy",
     "SamplingParams",
     "TokenBackend",
+    "TokenDistribution",
     "ToolCall",
     "Tools",
     "VLLMBackend",

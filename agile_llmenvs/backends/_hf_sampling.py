@@ -1,57 +1,60 @@
 """The sampler :class:`~agile_llmenvs.backends.hf.HFBackend` hands ``transformers``' ``generate``.
 
-It shapes the distribution (temperature, then top-k, then top-p, as ``transformers``' own
-warpers would) and records, step by step, the log-prob of each sampled token under
-``logits / temperature`` over the full vocabulary: what a trainer scoring the sampled ids
-computes. Only one step's log-probs are held at a time, so memory is O(batch x vocab)
-however long the completion, instead of one ``[B, V]`` tensor per token.
+It shapes the distribution as a :class:`~agile_llmenvs.backends.types.TokenDistribution`
+says (repetition penalty, temperature, then ``min_p``, ``top_k`` and ``top_p``, in vLLM's
+order, with the trainer's own functions) and records, step by step, the log-prob of each
+sampled token under it: what a trainer scoring the sampled ids computes. Only one step's
+log-probs are held at a time, so memory is O(batch x vocab) however long the completion,
+instead of one ``[B, V]`` tensor per token.
 
 Imported lazily by ``hf.py``, so that importing the backends does not import ``torch``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
+from transformers import LogitsProcessor
+
+from agile_llmenvs.backends._shaping import context_mask, penalize_, shape_
+from agile_llmenvs.backends.types import TokenDistribution
 
 __all__ = ["SampledLogprobs"]
 
 
 class SampledLogprobs(LogitsProcessor):
-    """A logits processor that samples at a temperature and records the sampled log-probs.
+    """A logits processor that shapes the distribution and records the sampled log-probs.
 
-    Each call divides the scores by ``temperature``, keeps their log-softmax as the pending
-    step, and returns them truncated by top-k and top-p. The token sampled from a step is only
-    known at the next call (the last column of its ``input_ids``), so that is when the pending
+    Each call shapes the scores and keeps the log-softmax of the distribution as the pending
+    step (the truncated one when ``distribution.truncated``, else the whole vocabulary's),
+    then returns the shaped scores to sample from. The token sampled from a step is only known
+    at the next call (the last column of its ``input_ids``), so that is when the pending
     step's log-prob is gathered; :meth:`logprobs` gathers the last step's from the returned
-    sequences. ``generate`` must add no warpers of its own (temperature 1, no top-k / top-p),
-    or the distribution sampled would no longer be the one recorded here.
+    sequences. ``generate`` must add no processor of its own (temperature 1, no top-k / top-p,
+    none from the model's ``generation_config``), or the distribution sampled would no
+    longer be the one recorded here.
 
     Args:
-        temperature: Scores are divided by it; ``1.0`` (greedy decoding) leaves them alone.
-        top_k: Keep the ``top_k`` likeliest tokens; ``None`` keeps all.
-        top_p: Keep the smallest set of tokens holding this much mass; ``1.0`` keeps all.
+        distribution: What shapes the scores.
+        prompt_starts: The first real column of each row of the left-padded prompts: the
+            repetition penalty counts the tokens from there on, not the padding.
         forbidden: Ids never sampled (a vision-language model's image placeholders, which
-            only the processor places). Like the truncation, this is not in the recorded
-            log-probs: they stay the full vocabulary's, what the trainer computes.
+            only the processor places). They are not in the recorded log-probs' set either
+            way: those stay the distribution's, what the trainer computes.
     """
 
     def __init__(
         self,
+        distribution: TokenDistribution,
         *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float = 1.0,
+        prompt_starts: Sequence[int] = (),
         forbidden: tuple[int, ...] = (),
     ):
-        self._temperature = temperature
+        self._distribution = distribution
+        self._prompt_starts = list(prompt_starts)
         self._forbidden = list(forbidden)
-        # The order (and min_tokens_to_keep=1) of transformers' own warpers when sampling.
-        self._truncate = LogitsProcessorList()
-        if top_k is not None:
-            self._truncate.append(TopKLogitsWarper(top_k=top_k))
-        if top_p < 1.0:
-            self._truncate.append(TopPLogitsWarper(top_p=top_p))
+        self._seen_BV: torch.Tensor | None = None  # the tokens in each row's context
         self._pending_BV: torch.Tensor | None = None
         self._pending_position = 0  # the column of input_ids its sampled token lands in
         self._sampled_B: list[torch.Tensor] = []
@@ -64,16 +67,40 @@ class SampledLogprobs(LogitsProcessor):
             scores: ``[B, V]`` next-token logits.
 
         Returns:
-            ``scores / temperature`` with the tokens outside top-k / top-p set to ``-inf``.
+            The shaped scores: ``-inf`` outside the kept set (and at the forbidden ids).
         """
         self._gather_pending(input_ids)
-        scaled_BV = scores / self._temperature  # as TemperatureLogitsWarper computes it
-        self._pending_BV = torch.log_softmax(scaled_BV.float(), dim=-1)
+        logits_BV = scores.float()
+        seen_BV = self._context(input_ids, scores)
+        if seen_BV is not None:
+            penalize_(logits_BV, seen_BV, self._distribution.repetition_penalty)
+        scaled_BV, shaped_BV = shape_(logits_BV, self._distribution)
+        recorded_BV = shaped_BV if self._distribution.truncated else scaled_BV
+        self._pending_BV = torch.log_softmax(recorded_BV, dim=-1)
         self._pending_position = input_ids.shape[1]
-        shaped_BV = self._truncate(input_ids, scaled_BV)
         if self._forbidden:
+            shaped_BV = shaped_BV.clone() if shaped_BV is scaled_BV else shaped_BV
             shaped_BV[:, self._forbidden] = -float("inf")
         return shaped_BV
+
+    def _context(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor | None:
+        """The tokens in each row's context, kept up to date one column a step (only under
+        a repetition penalty)."""
+        if not self._distribution.penalizes:
+            return None
+        rows, width = input_ids.shape
+        if self._seen_BV is None:
+            starts = self._prompt_starts or [0] * rows
+            start_B = torch.tensor(starts, device=input_ids.device)
+            # each row's ids from its first real column on, left-aligned
+            columns_BL = (torch.arange(width, device=input_ids.device) + start_B[:, None]).clamp(
+                max=width - 1
+            )
+            ids_BL = input_ids.gather(1, columns_BL)
+            self._seen_BV = context_mask(ids_BL, width - start_B, scores.shape[-1])
+        else:
+            self._seen_BV.scatter_(1, input_ids[:, -1:], True)
+        return self._seen_BV
 
     def logprobs(self, sequences: torch.Tensor, prompt_width: int) -> torch.Tensor:
         """The recorded log-prob of every generated token.

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import logging
 import os
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +22,8 @@ if TYPE_CHECKING:
     from agile_llmenvs.backends._hf_sampling import SampledLogprobs
 
 __all__ = ["HFBackend", "HFConfig", "check_model_dir"]
+
+logger = logging.getLogger(__name__)
 
 # What the hub accepts as a repo id: `name` or `namespace/name`.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -88,14 +93,16 @@ class HFBackend(LocalChatBackend):
     """A ``transformers`` model that generates a whole batch in one ``generate`` call.
 
     Prompts are left-padded with an attention mask, so every row continues right after its
-    own prompt. Tokens are sampled from ``softmax(logits / temperature)`` truncated to top-k,
-    then top-p. The log-prob recorded for each sampled token is
-    ``log_softmax(logits / temperature)`` over the full vocabulary: the temperature is in it,
-    the top-k / top-p truncation is not (nothing is renormalised), which is what a trainer
-    scoring the sampled ids at the sampler's temperature computes. Greedy decoding records
-    temperature-1 log-probs. Only one step's ``[B, V]`` log-probs are held at a time.
-    (``logits`` are the model's own unless its ``generation_config`` adds a processor, such
-    as a repetition penalty, which then shapes both what is sampled and what is recorded.)
+    own prompt. Tokens are sampled from the distribution ``params`` describe, shaped in vLLM's
+    order (:class:`~agile_llmenvs.backends.types.SamplingParams`), and the log-prob recorded
+    for each sampled token is that distribution's, renormalised over the tokens top-k / top-p
+    / min-p keep (or the whole vocabulary's, with ``truncated_logprobs=False``): what the
+    trainer computes when it scores the sampled ids. Greedy decoding records temperature-1
+    log-probs. Only one step's ``[B, V]`` log-probs are held at a time.
+
+    Only ``params`` shape the distribution: what the checkpoint's ``generation_config.json``
+    would add (a repetition penalty, ``min_p``, suppressed tokens...) is not applied, and the
+    first backend built on a model that sets any says so once in the log.
 
     Args:
         model_path: A local directory (or hub name, when the hub is reachable) of the model,
@@ -135,6 +142,7 @@ class HFBackend(LocalChatBackend):
         self.supports_images = _is_vision_model(model)
         self._placeholder_ids = _placeholder_ids(model) if self.supports_images else ()
         self._tokenizer = tokenizer
+        self._generation_config = _without_processors(model)
         eos = model.generation_config.eos_token_id
         eos = eos if eos is not None else tokenizer.eos_token_id
         self._eos_ids = frozenset(eos if isinstance(eos, list) else [eos])
@@ -177,8 +185,9 @@ class HFBackend(LocalChatBackend):
                 f"{type(self.model).__name__} is a text-only model but prompts show images: "
                 "use a vision-language model, or an env that sends text only"
             )
-        sampler = _sampler(params, self._placeholder_ids)
-        with torch.random.fork_rng(devices=[]), self._no_grad():
+        starts = (attention_mask.shape[1] - attention_mask.sum(dim=1)).tolist()
+        sampler = _sampler(params, starts, self._placeholder_ids)
+        with self._fork_rng(), self._no_grad(), self._plain_generation_config():
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             # Without return_dict_in_generate only the ids come back: no per-step logits, and
@@ -196,6 +205,14 @@ class HFBackend(LocalChatBackend):
             self._finish(ids, lps, params)
             for ids, lps in zip(new_ids.tolist(), logprobs.tolist(), strict=True)
         ]
+
+    def _fork_rng(self) -> Any:
+        """Restores the generators a seeded call reseeds: the CPU's and the model's GPU's."""
+        import torch
+
+        device = self.model.device
+        devices = [device] if device.type == "cuda" else []
+        return torch.random.fork_rng(devices=devices, device_type=device.type)
 
     def _no_grad(self) -> Any:
         """``inference_mode``, or plain ``no_grad`` for an FSDP-sharded model: the weights it
@@ -224,21 +241,32 @@ class HFBackend(LocalChatBackend):
         return ids.to(device), mask.to(device)
 
     def _generate_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        """``generate``'s settings beyond the prompts: the length, the stops and the
+        decoding mode (the sampler shapes the distribution itself)."""
         kwargs: dict[str, Any] = {
             "max_new_tokens": params.max_tokens,
             "pad_token_id": self._pad_id,
             "eos_token_id": sorted(self._eos_ids),
+            "do_sample": not params.greedy,
+            "top_k": None if params.greedy else 0,  # transformers' default would add 50
         }
-        if params.greedy:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        else:
-            # The sampler applies temperature, top-k and top-p itself; these values (which
-            # override the model's generation_config) make transformers add no warper of
-            # its own, so the distribution sampled is exactly the one the sampler records.
-            kwargs.update(do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
         if params.stop:
             kwargs.update(stop_strings=list(params.stop), tokenizer=self._tokenizer)
         return kwargs
+
+    @contextlib.contextmanager
+    def _plain_generation_config(self) -> Iterator[None]:
+        """The model's ``generation_config`` without its processors while ``generate`` runs
+        (``generate`` fills every unset value from the model's own)."""
+        model = _unwrap(self.model)
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        own = model.generation_config
+        model.generation_config = self._generation_config
+        try:
+            yield
+        finally:
+            model.generation_config = own
 
     def _finish(self, ids: list[int], logprobs: list[float], params: SamplingParams) -> Generation:
         n, text, stopped = cut_at_stop(ids, self._tokenizer, self._eos_ids, params.stop)
@@ -273,32 +301,108 @@ def _load_model(auto_class: Any, model_path: str | os.PathLike[str], config: HFC
 
 def _is_vision_model(model: Any) -> bool:
     """Whether ``model`` takes images (a vision-language model's config has a vision part)."""
-    while hasattr(model, "module"):
-        model = model.module
+    model = _unwrap(model)
     return getattr(getattr(model, "config", None), "vision_config", None) is not None
 
 
-def _sampler(params: SamplingParams, forbidden: tuple[int, ...] = ()) -> SampledLogprobs:
+def _sampler(
+    params: SamplingParams, prompt_starts: list[int], forbidden: tuple[int, ...] = ()
+) -> SampledLogprobs:
     """The logits processor that samples as ``params`` ask (never a ``forbidden`` id) and
     records the log-probs."""
     from agile_llmenvs.backends._hf_sampling import SampledLogprobs
+    from agile_llmenvs.backends.types import TokenDistribution
 
-    if params.greedy:  # argmax needs no shaping; its log-probs are at temperature 1
-        return SampledLogprobs(forbidden=forbidden)
     return SampledLogprobs(
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        forbidden=forbidden,
+        TokenDistribution.of(params), prompt_starts=prompt_starts, forbidden=forbidden
     )
+
+
+#: ``generation_config`` fields that add a logits processor to ``generate`` (transformers'
+#: ``_get_logits_processor``); their unset value (None) adds none.
+PROCESSOR_FIELDS = (
+    "bad_words_ids",
+    "begin_suppress_tokens",
+    "encoder_no_repeat_ngram_size",
+    "encoder_repetition_penalty",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "exponential_decay_length_penalty",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "guidance_scale",
+    "min_length",
+    "min_new_tokens",
+    "min_p",
+    "no_repeat_ngram_size",
+    "remove_invalid_values",
+    "renormalize_logits",
+    "repetition_penalty",
+    "sequence_bias",
+    "suppress_tokens",
+    "temperature",
+    "top_h",
+    "top_k",
+    "top_p",
+    "typical_p",
+    "watermarking_config",
+)
+#: Values of those fields that add no processor either.
+_NEUTRAL = {
+    "encoder_repetition_penalty": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "guidance_scale": 1.0,
+    "min_length": 0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "remove_invalid_values": False,
+    "renormalize_logits": False,
+    "repetition_penalty": 1.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "typical_p": 1.0,
+}
+_LOGGED_ATTRIBUTE = "_agile_llmenvs_generation_config_logged"
+
+
+def _without_processors(model: Any) -> Any:
+    """``model``'s ``generation_config`` without a field that adds a logits processor, so that
+    only the sampler shapes what ``generate`` samples; the first call for a model whose config
+    sets such fields logs which, once."""
+    config = copy.deepcopy(model.generation_config)
+    ignored = {}
+    for name in PROCESSOR_FIELDS:
+        value = getattr(config, name, None)
+        if value is not None and value != _NEUTRAL.get(name):
+            ignored[name] = value
+        if hasattr(config, name):
+            setattr(config, name, None)
+    holder = _unwrap(model)
+    if ignored and not holder.__dict__.get(_LOGGED_ATTRIBUTE):
+        holder.__dict__[_LOGGED_ATTRIBUTE] = True
+        settings = ", ".join(f"{name}={value!r}" for name, value in sorted(ignored.items()))
+        logger.warning(
+            "%s's generation_config sets %s: not applied. Sampling is what the manifest says "
+            "(training.temperature, top_p, top_k, min_p, repetition_penalty), and the trainer "
+            "scores exactly that; copy a setting there to sample with it.",
+            type(holder).__name__,
+            settings,
+        )
+    return config
+
+
+def _unwrap(model: Any) -> Any:
+    """The model inside DDP / FSDP / ``accelerate`` wrappers (``.module``)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 def _placeholder_ids(model: Any) -> tuple[int, ...]:
     """A vision-language model's image and video placeholder ids: only the processor puts
     them in a sequence, each standing for an image's features."""
-    while hasattr(model, "module"):
-        model = model.module
-    config = getattr(model, "config", None)
+    config = getattr(_unwrap(model), "config", None)
     names = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
     ids = {getattr(config, name, None) for name in names}
     return tuple(sorted(int(i) for i in ids if i is not None))

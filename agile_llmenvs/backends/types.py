@@ -22,6 +22,7 @@ __all__ = [
     "Messages",
     "SamplingParams",
     "TokenBackend",
+    "TokenDistribution",
     "ToolCall",
     "Tools",
 ]
@@ -39,11 +40,24 @@ FinishReason = Literal["stop", "length", "tool_calls", "error"]
 class SamplingParams:
     """How to sample one completion; the same object is shared by every backend.
 
+    The distribution is shaped in vLLM's order, which the HF backend and the trainer follow
+    too: the repetition penalty on the raw logits, then the temperature, then ``min_p``,
+    ``top_k`` and ``top_p`` truncate it. Nothing else shapes it: a checkpoint's
+    ``generation_config.json`` sampling settings are not applied by the local backends.
+
     Attributes:
         max_tokens: Most new tokens per completion.
         temperature: Softmax temperature; ``0.0`` is greedy decoding.
         top_p: Nucleus sampling mass; ``1.0`` disables it.
         top_k: Sample from the ``top_k`` likeliest tokens only; ``None`` disables it.
+        min_p: Drop tokens less likely than ``min_p`` times the likeliest; ``0.0`` disables it.
+        repetition_penalty: Divides the positive logits (multiplies the negative ones) of every
+            token already in the context, prompt included; ``1.0`` disables it. Local backends
+            only (HF, vLLM).
+        truncated_logprobs: Whether the recorded log-probs are of the truncated, renormalised
+            distribution that was sampled (``top_k`` / ``top_p`` / ``min_p``), or of the whole
+            vocabulary's. vLLM records the truncated one whatever this says; the HF backend
+            follows it.
         stop: Strings that end a completion; the text is cut before the first one found.
         seed: Seed of the sampler, where the backend supports one.
     """
@@ -52,6 +66,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    truncated_logprobs: bool = True
     stop: tuple[str, ...] = ()
     seed: int | None = None
 
@@ -64,12 +81,68 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         object.__setattr__(self, "stop", tuple(self.stop))
 
     @property
     def greedy(self) -> bool:
         """Whether decoding is greedy (temperature 0)."""
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class TokenDistribution:
+    """The distribution a sampled token's log-prob is taken under, by sampler and trainer alike.
+
+    ``log p(x) = log_softmax(keep(penalize(f(logits)) / temperature))[x]``: ``f`` the model's
+    own post-head transform, ``penalize`` the repetition penalty over the tokens already in the
+    context, ``keep`` the ``min_p`` / ``top_k`` / ``top_p`` truncation (vLLM's order) when
+    ``truncated``; outside the kept set the logits are ``-inf``. The trainer always keeps the
+    token it scores in the set: after an update it may fall outside the policy's own nucleus,
+    and its log-prob stays finite.
+
+    Attributes:
+        temperature: Logits are divided by it (``> 0``).
+        top_k: Keep the ``top_k`` likeliest tokens; ``None`` keeps all.
+        top_p: Keep the likeliest tokens holding this much mass; ``1.0`` keeps all.
+        min_p: Keep tokens at least ``min_p`` times as likely as the likeliest.
+        repetition_penalty: The penalty of tokens already in the context (``1.0``: none).
+        truncated: Renormalise over the kept tokens; False: the whole vocabulary's log-softmax.
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    truncated: bool = True
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> TokenDistribution:
+        """The distribution ``params`` sample from (greedy: temperature 1, untruncated)."""
+        if params.greedy:
+            return cls(repetition_penalty=params.repetition_penalty, truncated=False)
+        return cls(
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            truncated=params.truncated_logprobs,
+        )
+
+    @property
+    def truncates(self) -> bool:
+        """Whether log-probs are renormalised over a truncated set."""
+        return self.truncated and (self.top_k is not None or self.top_p < 1.0 or self.min_p > 0)
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether a repetition penalty applies."""
+        return self.repetition_penalty != 1.0
 
 
 @dataclass(frozen=True)

@@ -56,11 +56,13 @@ class VLLMBackend(LocalChatBackend):
     and the log-prob of each, so rollouts are token-exact.
 
     From vLLM 0.10.2 the engine is started with ``logprobs_mode="processed_logprobs"`` (unless
-    ``config.extra`` sets one), so the log-prob recorded is that of the distribution sampled:
-    ``log_softmax(logits / temperature)``, over the tokens top-k / top-p keep (renormalised
-    over them). Without top-k / top-p that is :class:`~agile_llmenvs.backends.HFBackend`'s
-    value, and the trainer's; with them it is higher by ``-log`` of the mass kept. Greedy
-    decoding records temperature-1 log-probs. Older vLLM records temperature-1 log-probs.
+    ``config.extra`` sets one), so the log-prob recorded is that of the distribution sampled
+    (:class:`~agile_llmenvs.backends.types.TokenDistribution`): the repetition penalty, the
+    temperature, renormalised over the tokens min-p / top-k / top-p keep. That is
+    :class:`~agile_llmenvs.backends.HFBackend`'s value and the trainer's (with
+    ``truncated_logprobs=False`` they take the whole vocabulary's, and the truncation is not
+    in the ratio). Greedy decoding records temperature-1 log-probs. Older vLLM records
+    temperature-1 log-probs.
 
     Args:
         model_path: A local model directory (or hub name, when the hub is reachable).
@@ -131,6 +133,8 @@ class VLLMBackend(LocalChatBackend):
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k or 0,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
             stop=list(params.stop) or None,
             seed=params.seed,
             logprobs=0,  # the sampled token's own log-prob only

@@ -734,9 +734,10 @@ def _completion_body(
         "temperature": params.temperature,
         "top_p": params.top_p,
         "top_k": params.top_k if params.top_k is not None else -1,
-        # explicit, so a model's generation_config.json cannot change what is sampled
-        "min_p": 0.0,
-        "repetition_penalty": 1.0,
+        # every field explicit, so a model's generation_config.json cannot change what is
+        # sampled (the server's defaults come from it)
+        "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty,
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
         "logprobs": 0,  # the sampled token's own log-prob only

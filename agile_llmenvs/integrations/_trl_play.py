@@ -88,6 +88,8 @@ def trainer_policy(
         temperature=float(args.temperature),
         top_p=float(args.top_p),
         top_k=int(args.top_k) or None,
+        # TRL scores every sampled token under the whole vocabulary's log-softmax
+        truncated_logprobs=False,
         seed=seed,
     )
     with unwrap_model_for_generation(

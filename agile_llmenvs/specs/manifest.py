@@ -217,11 +217,33 @@ class TrainingSpec(BaseModel):
         1.0,
         gt=0.0,
         le=1.0,
-        description="GRPO: nucleus sampling of rollouts (the importance ratio does not "
-        "correct the truncation; see docs/training.md).",
+        description="GRPO: nucleus sampling of rollouts: the likeliest tokens holding this "
+        "much mass (1: off).",
     )
     top_k: int | None = Field(
         None, ge=1, description="GRPO: sample rollouts from the k likeliest tokens only."
+    )
+    min_p: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="GRPO: sample rollouts from the tokens at least min_p times as likely as "
+        "the likeliest (0: off).",
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0.0,
+        le=10.0,
+        description="GRPO: divide the positive logits (multiply the negative ones) of tokens "
+        "already in the context, prompt included (1: off). The trainer scores with it too. "
+        "A checkpoint's generation_config.json is not applied: set it here.",
+    )
+    truncated_logprobs: bool = Field(
+        True,
+        description="GRPO: score sampled tokens under the distribution top_k / top_p / min_p "
+        "truncated and renormalised, the one they were sampled from: the first-pass ratio is "
+        "then 1 on every backend. False: the whole vocabulary's log-softmax (the ratio then "
+        "carries the kept mass on vLLM, and TRL's behaviour).",
     )
     clip_eps: float = Field(
         0.2, gt=0.0, le=1.0, description="GRPO: the importance ratio is clipped to 1 +- clip_eps."
@@ -233,8 +255,11 @@ class TrainingSpec(BaseModel):
         description="GRPO: KL coefficient to a frozen reference (unset: 0, no reference "
         "model loaded). DPO: the preference temperature (unset: 0.1).",
     )
-    scale_advantages: bool = Field(
-        True, description="GRPO: divide group-relative advantages by the group's std."
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="GRPO: what group-relative advantages are divided by (plus 1e-4), TRL's "
+        "`scale_rewards`: `group`, the std of the episode's group; `batch`, the std of every "
+        "reward of the step's batch over all processes; `none`, nothing. Bessel-corrected.",
     )
     dynamic_sampling: bool = Field(
         False, description="GRPO: drop groups with equal rewards and refill from new tasks."
@@ -351,6 +376,13 @@ class TrainingSpec(BaseModel):
     mini_batches: int = Field(
         1, ge=1, description="GRPO: optimizer steps per pass (the batch's rows split evenly)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "scale_advantages" in data:
+            raise fail("scale_advantages", "renamed scale_rewards: true -> group, false -> none")
+        return data
 
     @model_validator(mode="after")
     def _check_generation(self) -> TrainingSpec:

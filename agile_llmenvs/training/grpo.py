@@ -5,7 +5,7 @@ current policy (an :class:`HFBackend` over the unwrapped model, no grad; or a vL
 given the policy's weights after every step), or ``vllm serve`` processes have played it ahead
 within ``max_staleness`` policy versions (:mod:`~agile_llmenvs.training.server_rollouts`;
 groups with an older member are dropped); each finished episode's advantage is its reward
-minus the mean of its group's finished members (optionally over their std); then
+minus the mean of its group's finished members, over a std as ``scale_rewards`` says; then
 :func:`~agile_llmenvs.training.grpo_update.grpo_update` takes ``num_iterations`` passes of
 ``mini_batches`` optimizer steps on PPO's clipped importance-ratio surrogate against the
 sampler's own log-probs (plus ``beta`` times a k3 KL to the starting policy), each step
@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -199,7 +200,10 @@ def _step(
         stale_G = torch.tensor(run.server.stale_groups(rollout, step - 1))
         fresh_GN &= ~stale_G[:, None]
     advantages_GN, kept_GN = group_advantages(
-        rewards_GN, scale=config.scale_advantages, finished_GN=finished_GN & fresh_GN
+        rewards_GN,
+        scale=config.scale_rewards,
+        finished_GN=finished_GN & fresh_GN,
+        sum_over_processes=_sum_over_processes(run.accelerator),
     )
     pad_id = run.tokenizer.pad_token_id or 0
     advantages_B = advantages_GN.flatten().float()  # centred in float64, trained in float32
@@ -321,6 +325,18 @@ def _save(output_dir: Path, step: int, run: GRPORun) -> Path:
         scheduler=run.learner.scheduler,
         keep=run.keep_checkpoints,
     )
+
+
+def _sum_over_processes(accelerator: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Sums a CPU tensor over processes: each holds only its share of the batch's groups
+    (``None`` on one process, which holds them all)."""
+    if accelerator.num_processes == 1:
+        return None
+
+    def total(tensor: torch.Tensor) -> torch.Tensor:
+        return accelerator.reduce(tensor.to(accelerator.device), reduction="sum").cpu()
+
+    return total
 
 
 def _reduce(accelerator: Any, values: dict[str, float], reduction: str) -> dict[str, float]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from agile_llmenvs.backends.hf import HFBackend
-from agile_llmenvs.backends.types import SamplingParams
+from agile_llmenvs.backends.types import SamplingParams, TokenDistribution
 from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.llm_envs.collector import RolloutCollector
 from agile_llmenvs.specs import LLMEnvSpec, RunManifest, TrainingSpec
@@ -115,12 +115,7 @@ def setup_run(
             device=accelerator.device,
             weights_dir=output_dir / "weights-sync",
         )
-    params = SamplingParams(
-        max_tokens=config.max_new_tokens,
-        temperature=config.temperature,
-        top_p=config.top_p,
-        top_k=config.top_k,
-    )
+    params = sampling_params(config)
     # an engine per process generates alone; generate on a sharded policy pairs the processes
     sampler = Sampler(
         engine.backend if engine else HFBackend.from_model(policy, tokenizer),
@@ -219,6 +214,20 @@ def _server_rollouts(
         raise
 
 
+def sampling_params(config: TrainingSpec) -> SamplingParams:
+    """How rollouts are sampled: the manifest's ``training`` fields of the same names, the
+    one definition of the distribution every backend samples and the trainer scores."""
+    return SamplingParams(
+        max_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        min_p=config.min_p,
+        repetition_penalty=config.repetition_penalty,
+        truncated_logprobs=config.truncated_logprobs,
+    )
+
+
 def _update_settings(config: TrainingSpec, max_turns: int) -> UpdateSettings:
     """The learning step's settings; ``max_turns`` is the env's turn budget, as the rollout
     factory found it (the manifest's, or what the env declares)."""
@@ -226,7 +235,7 @@ def _update_settings(config: TrainingSpec, max_turns: int) -> UpdateSettings:
         loss_type=config.loss_type,
         clip_eps=config.clip_eps,
         beta=config.beta or 0.0,
-        temperature=config.temperature,
+        distribution=TokenDistribution.of(sampling_params(config)),
         max_completion_tokens=config.max_completion_tokens or config.max_new_tokens * max_turns,
         micro_batch_size=config.micro_batch_size,
         num_iterations=config.num_iterations,

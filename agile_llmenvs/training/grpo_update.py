@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from agile_llmenvs.backends.types import TokenDistribution
 from agile_llmenvs.core.images import image_model_inputs
 from agile_llmenvs.training.learner import Learner, micro_batch_slices, reduce_sum
 from agile_llmenvs.training.logprobs import ScoredLogps, scored_token_logps
@@ -60,7 +61,8 @@ class UpdateSettings:
         loss_type: How per-token losses are averaged.
         clip_eps: The ratio is clipped to ``1 +- clip_eps``.
         beta: The k3 KL coefficient (0: no reference).
-        temperature: The sampling temperature; logits are divided by it when scoring.
+        distribution: The sampler's distribution (temperature, repetition penalty,
+            truncation), the one every sampled token is scored under.
         max_completion_tokens: ``dr_grpo``'s constant.
         micro_batch_size: Rows per forward/backward (``None``: a mini-batch at once).
         num_iterations: Passes over the batch.
@@ -71,7 +73,7 @@ class UpdateSettings:
     loss_type: LossType = "dapo"
     clip_eps: float = 0.2
     beta: float = 0.0
-    temperature: float = 1.0
+    distribution: TokenDistribution = field(default_factory=TokenDistribution)
     max_completion_tokens: int = 1
     micro_batch_size: int | None = None
     num_iterations: int = 1
@@ -139,14 +141,19 @@ def grpo_update(
     """
     learner.model.train()
     paired = is_sharded(learner.model)  # then so is the reference (or it is the policy)
-    batch = _with_behaviour_logps(learner.model, batch, settings, paired=paired)
-    ref_logps_BT = None
-    if reference is not None:
-        ref_logps_BT = _score(reference, batch, settings, paired=paired)
+    with learner.accelerator.autocast():  # the scoring passes compute as the update does
+        batch = _with_behaviour_logps(learner.model, batch, settings, paired=paired)
+        ref_logps_BT = None
+        if reference is not None:
+            ref_logps_BT = _score(reference, batch, settings, paired=paired)
     totals = _Totals()
     for iteration in range(settings.num_iterations):
         for rows in _mini_batch_rows(batch.rows, settings.mini_batches):
-            counts = _token_counts(learner.accelerator, batch, rows, settings)
+            micro_batches = [
+                slice(rows.start + micro.start, rows.start + micro.stop)
+                for micro in micro_batch_slices(rows.stop - rows.start, settings.micro_batch_size)
+            ]
+            counts = _token_counts(learner.accelerator, batch, rows, len(micro_batches), settings)
             if counts.tokens == 0:  # every process sees the same count, and skips together
                 learner.skip_step()
                 continue
@@ -161,10 +168,6 @@ def grpo_update(
                 first=iteration == 0,
             )
             loss_before = totals.loss
-            micro_batches = [
-                slice(rows.start + micro.start, rows.start + micro.stop)
-                for micro in micro_batch_slices(rows.stop - rows.start, settings.micro_batch_size)
-            ]
             totals.grad_norms.append(learner.step(micro_batches, loss_of))
             totals.step_losses.append(totals.loss - loss_before)
     return _metrics(learner.accelerator, totals)
@@ -204,13 +207,14 @@ def _micro_loss(
 def _scored(
     model: Any, micro: PolicyBatch, settings: UpdateSettings, *, with_entropy: bool = False
 ) -> ScoredLogps:
-    """``model``'s log-probs of the micro-batch's sampled tokens, at the sampling temperature."""
+    """``model``'s log-probs of the micro-batch's sampled tokens, under the sampler's
+    distribution."""
     return scored_token_logps(
         model,
         micro.input_ids_BT,
         micro.attention_mask_BT,
         micro.action_mask_BT,
-        temperature=settings.temperature,
+        distribution=settings.distribution,
         chunk_tokens=settings.chunk_tokens,
         with_entropy=with_entropy,
         model_inputs=image_model_inputs(micro.images_B, micro.input_ids_BT, model),
@@ -265,16 +269,23 @@ def _mini_batch_rows(rows: int, mini_batches: int) -> list[slice]:
 
 
 def _token_counts(
-    accelerator: Any, batch: PolicyBatch, rows: slice, settings: UpdateSettings
+    accelerator: Any,
+    batch: PolicyBatch,
+    rows: slice,
+    micro_batches: int,
+    settings: UpdateSettings,
 ) -> TokenCounts:
-    """The normalising counts of one optimizer step's rows, over every process."""
+    """The normalising counts of one optimizer step's rows (``micro_batches`` of them on
+    this process), over every process."""
     local_tokens = float(batch.action_mask_BT[rows].sum())
     global_rows, global_tokens = reduce_sum(accelerator, [rows.stop - rows.start, local_tokens])
+    if accelerator.num_processes > 1:
+        micro_batches = max_over_processes(micro_batches, accelerator.device)
     return TokenCounts(
         rows=int(global_rows),
         tokens=int(global_tokens),
-        local_tokens=int(local_tokens),
         processes=accelerator.num_processes,
+        micro_batches=micro_batches,
         max_completion_tokens=settings.max_completion_tokens,
     )
 

@@ -4,12 +4,13 @@ Shape suffixes: ``G`` groups, ``N`` group members, ``B`` rows, ``T`` positions.
 
 A learning step's loss is always ``sum over the batch's scored tokens of weight * loss``;
 the weights (:func:`token_weights`) carry the normalisation, so splitting a batch into
-micro-batches, or over processes, leaves the sum, and the gradient, unchanged.
+micro-batches, or over processes, leaves the sum, and the gradient, unchanged (for every loss
+type but ``bnpo``, which TRL normalises by each micro-batch's own tokens).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,6 +19,7 @@ import torch
 __all__ = [
     "LossType",
     "PolicyTokenLoss",
+    "ScaleRewards",
     "TokenCounts",
     "approx_kl",
     "dpo_loss",
@@ -30,6 +32,9 @@ __all__ = [
 LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo"]
 """How GRPO's per-token losses are averaged; see :func:`token_weights`."""
 
+ScaleRewards = Literal["group", "batch", "none"]
+"""What GRPO's advantages are divided by (TRL's ``scale_rewards``); see :func:`group_advantages`."""
+
 
 def group_rewards(rewards: Sequence[float], group_size: int) -> torch.Tensor:
     """Episode rewards as ``[G, N]`` groups, in float64: rewards that differ far below a
@@ -41,21 +46,30 @@ def group_rewards(rewards: Sequence[float], group_size: int) -> torch.Tensor:
 def group_advantages(
     rewards_GN: torch.Tensor,
     *,
-    scale: bool,
+    scale: ScaleRewards,
     finished_GN: torch.Tensor | None = None,
-    eps: float = 1e-6,
+    sum_over_processes: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    eps: float = 1e-4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO's group-relative advantage: ``r - mean(group)``, optionally ``/ (std(group) + eps)``.
+    """GRPO's group-relative advantage: ``r - mean(group)``, divided by ``std + eps`` as
+    TRL's ``scale_rewards`` says.
+
+    ``scale`` picks the std: ``group``, that of the member's group; ``batch``, that of every
+    kept reward of the global batch, about the batch's mean (not the groups'); ``none``, no
+    division. Both are Bessel-corrected (``n - 1``), as ``torch.std`` and TRL's ``nanstd``.
 
     Only the members that finished count: a member whose env failed has no reward (its 0 is
     not a score), so the group's mean and std are over the others, and a group left with fewer
-    than two finished members carries no comparison and is dropped.
+    than two finished members carries no comparison and is dropped (nor does its lone member
+    count in the batch's std).
 
     Args:
         rewards_GN: Rewards, one row per group.
-        scale: Divide by the group's (population) standard deviation.
+        scale: ``group``, ``batch`` or ``none``.
         finished_GN: True for members that finished (default: all of them).
-        eps: Keeps a group of equal rewards at advantage 0 instead of 0/0.
+        sum_over_processes: Sums a tensor over the processes holding the rest of the batch,
+            for ``batch`` (default: this process holds all of it).
+        eps: Keeps a group of equal rewards at advantage 0 instead of 0/0 (TRL's ``1e-4``).
 
     Returns:
         ``(advantages_GN, kept_GN)``: advantages (0 where not kept), and which members train:
@@ -68,10 +82,32 @@ def group_advantages(
     kept_GN = finished_GN & (count_G1 >= 2)
     mean_G1 = (rewards_GN * weight_GN).sum(dim=1, keepdim=True) / count_G1.clamp(min=1.0)
     centred_GN = (rewards_GN - mean_G1) * weight_GN
-    if scale:
-        variance_G1 = (centred_GN**2).sum(dim=1, keepdim=True) / count_G1.clamp(min=1.0)
+    if scale == "group":
+        variance_G1 = (centred_GN**2).sum(dim=1, keepdim=True) / (count_G1 - 1).clamp(min=1.0)
         centred_GN = centred_GN / (variance_G1.sqrt() + eps)
+    elif scale == "batch":
+        centred_GN = centred_GN / (_batch_std(rewards_GN, kept_GN, sum_over_processes) + eps)
+    elif scale != "none":
+        raise ValueError(f"unknown scale {scale!r}: expected 'group', 'batch' or 'none'")
     return torch.where(kept_GN, centred_GN, torch.zeros_like(centred_GN)), kept_GN
+
+
+def _batch_std(
+    rewards_GN: torch.Tensor,
+    kept_GN: torch.Tensor,
+    sum_over_processes: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> torch.Tensor:
+    """The Bessel-corrected std of the kept rewards of every process, about their mean.
+
+    Two sums over processes, the count and total first, then the squared deviations from the
+    mean: a one-pass ``sum(r^2) - n * mean^2`` would cancel away rewards that differ far below
+    their size."""
+    total = sum_over_processes or (lambda tensor: tensor)
+    weight_GN = kept_GN.to(rewards_GN.dtype)
+    count, reward_sum = total(torch.stack([weight_GN.sum(), (rewards_GN * weight_GN).sum()]))
+    mean = reward_sum / count.clamp(min=1.0)
+    squares = total((((rewards_GN - mean) * weight_GN) ** 2).sum().reshape(1))[0]
+    return (squares / (count - 1).clamp(min=1.0)).sqrt()
 
 
 @dataclass(frozen=True)
@@ -81,15 +117,16 @@ class TokenCounts:
     Attributes:
         rows: Sequences in the global batch (every process).
         tokens: Sampled tokens in the global batch.
-        local_tokens: Sampled tokens in this process's share.
         processes: Processes the batch is spread over.
+        micro_batches: Micro-batches the step accumulates: the most any process runs (TRL's
+            gradient accumulation steps; a process with fewer runs the rest as empty ones).
         max_completion_tokens: ``dr_grpo``'s constant length of a completion.
     """
 
     rows: int
     tokens: int
-    local_tokens: int
     processes: int
+    micro_batches: int
     max_completion_tokens: int
 
 
@@ -99,12 +136,19 @@ def token_weights(
     """Each sampled token's weight in the global loss ``sum(weight * per-token loss)``.
 
     With ``n_b`` the sampled tokens of row ``b``, ``R`` the rows and ``N`` the sampled tokens
-    of the global batch, ``N_p`` those of this process and ``P`` the processes:
+    of the global batch, ``P`` the processes, ``A`` the step's micro-batches and ``n_m`` the
+    sampled tokens of this micro-batch (``action_mask_BT``'s):
 
     - ``grpo``: ``1 / (R * n_b)``: a mean over each sequence's tokens, then over sequences;
     - ``dapo``: ``1 / N``: a mean over every sampled token of the global batch;
     - ``dr_grpo``: ``1 / (R * max_completion_tokens)``: a sum over tokens over a constant;
-    - ``bnpo``: ``1 / (P * N_p)``: a mean over this process's tokens, then over processes.
+    - ``bnpo``: ``1 / (P * A * n_m)``: TRL's mean over each micro-batch's tokens, divided by
+      the accumulation steps, then averaged over processes (as DDP averages gradients).
+
+    Args:
+        loss_type: The normalisation.
+        action_mask_BT: The micro-batch's sampled tokens.
+        counts: The optimizer step's counts.
 
     Returns:
         ``[B, T - 1]`` weights, zero off the action mask.
@@ -118,7 +162,8 @@ def token_weights(
     if loss_type == "dr_grpo":
         return mask_BT / (max(counts.rows, 1) * counts.max_completion_tokens)
     if loss_type == "bnpo":
-        return mask_BT / (counts.processes * max(counts.local_tokens, 1))
+        micro_tokens = mask_BT.sum().clamp(min=1.0)  # a tensor: no wait for the device
+        return mask_BT / (counts.processes * counts.micro_batches * micro_tokens)
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
 from typing import Any
 
 import pytest
@@ -101,27 +104,136 @@ def test_logprobs_are_those_of_the_temperature_scaled_logits(
     assert list(generation.logprobs) != pytest.approx(unscaled, abs=1e-3)
 
 
-def test_top_p_sampling_records_full_vocabulary_scaled_logprobs_reproducibly(
-    hf_backend: HFBackend,
-) -> None:
+def _forward_logits(backend: HFBackend, prompt: list[int], completion: tuple[int, ...]) -> Any:
+    """``[len(completion), V]``: the logits each completion id was sampled from."""
+    full_1L = torch.tensor([prompt + list(completion)])
+    with torch.no_grad():
+        logits_LV = backend.model(full_1L).logits[0].float()
+    return logits_LV[len(prompt) - 1 : -1]
+
+
+def _nucleus_logprobs(logits_NV: Any, ids: tuple[int, ...], top_p: float) -> list[float]:
+    """Log-probs renormalised over each step's nucleus: the likeliest tokens, in order, up to
+    and including the one whose cumulative probability reaches ``top_p``."""
+    out = []
+    for logits_V, token in zip(logits_NV, ids, strict=True):
+        probs_V = torch.softmax(logits_V.double(), dim=-1)
+        order = probs_V.argsort(descending=True).tolist()
+        kept, mass = [], 0.0
+        for candidate in order:
+            kept.append(candidate)
+            mass += float(probs_V[candidate])
+            if mass >= top_p:
+                break
+        assert token in kept
+        out.append(float(probs_V[token].log()) - math.log(float(probs_V[kept].sum())))
+    return out
+
+
+def test_top_p_sampling_records_the_nucleus_logprobs_reproducibly(hf_backend: HFBackend) -> None:
     prompts = [hf_backend.encode_chat(m) for m in CONVERSATIONS]
     params = SamplingParams(max_tokens=10, temperature=0.7, top_p=0.9, seed=5)
     first = hf_backend.generate(prompts, params)
+    truncated_steps = 0
     for prompt, generation in zip(prompts, first, strict=True):
+        logits_NV = _forward_logits(hf_backend, prompt, generation.token_ids) / 0.7
+        expected = _nucleus_logprobs(logits_NV, generation.token_ids, 0.9)
+        assert list(generation.logprobs) == pytest.approx(expected, abs=1e-5)
+        full = torch.log_softmax(logits_NV, dim=-1)
+        untruncated = [float(full[n, t]) for n, t in enumerate(generation.token_ids)]
+        truncated_steps += sum(a > b + 1e-3 for a, b in zip(expected, untruncated, strict=True))
+    assert truncated_steps > 10  # the nucleus left out real mass at most steps
+    assert hf_backend.generate(prompts, params) == first
+    # the whole vocabulary's log-probs, when asked for
+    full_params = dataclasses.replace(params, truncated_logprobs=False)
+    for prompt, generation in zip(prompts, hf_backend.generate(prompts, full_params), strict=True):
         expected = _scored_logprobs(hf_backend, prompt, generation.token_ids, 0.7)
         assert list(generation.logprobs) == pytest.approx(expected, abs=1e-5)
-    assert hf_backend.generate(prompts, params) == first
 
 
-def test_truncation_is_not_renormalised_into_the_logprobs(hf_backend: HFBackend) -> None:
+def test_top_k_of_one_renormalises_each_step_to_certainty(hf_backend: HFBackend) -> None:
     prompt = hf_backend.encode_chat(CONVERSATIONS[1])
     greedy = hf_backend.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))
     params = SamplingParams(max_tokens=6, temperature=0.8, top_k=1, seed=0)
     (top_1,) = hf_backend.generate([prompt], params)
     assert top_1.token_ids == greedy[0].token_ids  # one token kept: the argmax, every step
-    expected = _scored_logprobs(hf_backend, prompt, top_1.token_ids, 0.8)
-    assert list(top_1.logprobs) == pytest.approx(expected, abs=1e-5)
-    assert max(top_1.logprobs) < -1e-3  # renormalised over one token, each would be 0.0
+    assert top_1.logprobs == (0.0,) * len(top_1.token_ids)  # log 1: one token holds the mass
+    untruncated = dataclasses.replace(params, truncated_logprobs=False)
+    (full,) = hf_backend.generate([prompt], untruncated)
+    expected = _scored_logprobs(hf_backend, prompt, full.token_ids, 0.8)
+    assert list(full.logprobs) == pytest.approx(expected, abs=1e-5)
+    assert max(full.logprobs) < -1e-3
+
+
+def test_min_p_keeps_tokens_near_the_likeliest(hf_backend: HFBackend) -> None:
+    prompt = hf_backend.encode_chat(CONVERSATIONS[0])
+    params = SamplingParams(max_tokens=8, temperature=1.0, min_p=0.2, seed=2)
+    (generation,) = hf_backend.generate([prompt], params)
+    logits_NV = _forward_logits(hf_backend, prompt, generation.token_ids)
+    for logits_V, token, recorded in zip(
+        logits_NV, generation.token_ids, generation.logprobs, strict=True
+    ):
+        probs_V = torch.softmax(logits_V.double(), dim=-1)
+        kept_V = probs_V >= 0.2 * probs_V.max()  # at least a fifth of the likeliest's
+        assert kept_V[token]
+        assert recorded == pytest.approx(
+            float(probs_V[token].log() - probs_V[kept_V].sum().log()), abs=1e-5
+        )
+
+
+def test_repetition_penalty_is_sampled_and_recorded_over_the_whole_context(
+    hf_backend: HFBackend,
+) -> None:
+    prompts = [hf_backend.encode_chat(m) for m in CONVERSATIONS]  # left-padded: lengths differ
+    params = SamplingParams(max_tokens=8, temperature=0.7, repetition_penalty=1.3, seed=4)
+    generations = hf_backend.generate(prompts, params)
+    penalised_steps = 0
+    for prompt, generation in zip(prompts, generations, strict=True):
+        logits_NV = _forward_logits(hf_backend, prompt, generation.token_ids)
+        for n, (logits_V, token) in enumerate(zip(logits_NV, generation.token_ids, strict=True)):
+            context = set(prompt) | set(generation.token_ids[:n])  # not the padding
+            shaped_V = logits_V.double().clone()
+            for seen in context:  # positive logits divided by 1.3, others multiplied
+                value = float(logits_V[seen])
+                shaped_V[seen] = value / 1.3 if value > 0 else value * 1.3
+            expected = torch.log_softmax(shaped_V / 0.7, dim=-1)[token]
+            plain = torch.log_softmax(logits_V.double() / 0.7, dim=-1)[token]
+            assert generation.logprobs[n] == pytest.approx(float(expected), abs=1e-5)
+            penalised_steps += abs(float(expected - plain)) > 1e-3
+    assert penalised_steps > 10
+
+
+def test_the_checkpoints_generation_config_adds_nothing_and_is_logged_once(
+    tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = HFBackend(tiny_model_dir)
+    config = backend.model.generation_config
+    config.repetition_penalty, config.min_p, config.no_repeat_ngram_size = 1.1, 0.05, 2
+    config.temperature, config.top_k, config.suppress_tokens = 0.6, 20, [5]
+    lists: list[Any] = []
+    real = backend.model._get_logits_processor
+
+    def spied(*args: Any, **kwargs: Any) -> Any:
+        lists.append(real(*args, **kwargs))
+        return lists[-1]
+
+    monkeypatch.setattr(backend.model, "_get_logits_processor", spied)
+    prompt = backend.encode_chat(CONVERSATIONS[0])
+    with caplog.at_level(logging.WARNING, logger="agile_llmenvs.backends.hf"):
+        rebuilt = HFBackend.from_model(backend.model, backend.tokenizer)
+        HFBackend.from_model(backend.model, backend.tokenizer)  # the same model: not again
+    (warning,) = caplog.records
+    assert warning.getMessage().startswith(
+        "Qwen2ForCausalLM's generation_config sets min_p=0.05, no_repeat_ngram_size=2, "
+        "repetition_penalty=1.1, suppress_tokens=[5], temperature=0.6, top_k=20: not applied."
+    )
+    (sampled,) = rebuilt.generate([prompt], SamplingParams(max_tokens=6, seed=1))
+    rebuilt.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))
+    for processors in lists:  # only the sampler: no penalty, no n-gram ban, no warper
+        assert [type(p).__name__ for p in processors] == ["SampledLogprobs"]
+    expected = _scored_logprobs(rebuilt, prompt, sampled.token_ids, 1.0)
+    assert list(sampled.logprobs) == pytest.approx(expected, abs=1e-5)
+    assert config.repetition_penalty == 1.1  # the model's own config is left alone
 
 
 def test_generate_keeps_no_per_step_logits_and_adds_no_warpers(
@@ -143,8 +255,7 @@ def test_generate_keeps_no_per_step_logits_and_adds_no_warpers(
         for flag in ("output_logits", "output_scores", "return_dict_in_generate"):
             assert not kwargs.get(flag), flag
         assert len(kwargs["logits_processor"]) == 1
-    sampled = calls[0]
-    assert (sampled["temperature"], sampled["top_p"], sampled["top_k"]) == (1.0, 1.0, 0)
+    assert calls[0]["top_k"] == 0  # transformers' default would add a top-k of 50
 
 
 def test_sampling_ends_at_eos_or_the_token_budget(hf_backend: HFBackend) -> None:

@@ -104,3 +104,17 @@ def test_runner_makes_one_engine_call_per_step(
     assert counting.calls == [("generate_chat_batch", n) for n in (3, 2, 1)]
     assert generate_calls == [3, 2, 1]
     assert [t.num_steps for t in result.trajectories] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("name", ["top-p-k", "penalty", "min-p"])
+def test_the_engine_samples_the_distribution_the_trainer_scores(
+    engine: VLLMBackend, model_dir: Path, name: str
+) -> None:
+    import torch
+    from training.first_pass import SHAPED, first_pass
+
+    batch, metrics, trainer = first_pass(model_dir, SHAPED[name], engine)
+    mask = batch.action_mask_BT
+    # vLLM's kernels are not HF's: its logits agree to fp32 rounding, not bit for bit
+    torch.testing.assert_close(trainer[mask], batch.sampling_logps_BT[mask], rtol=0, atol=1e-4)
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)

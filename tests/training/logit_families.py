@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from agile_llmenvs.backends.types import TokenDistribution
 from agile_llmenvs.errors import LogitTransformError
 from agile_llmenvs.training.logit_transform import LogitTransform, probe_logit_transform
 from agile_llmenvs.training.logprobs import _unwrap, scored_token_logps
@@ -108,7 +109,9 @@ def check_family(model_type: str) -> FamilyResult:
     max_error = 0.0
     for temperature in TEMPERATURES:
         with torch.no_grad():
-            ours = scored_token_logps(model, ids, attention, mask, temperature=temperature)
+            ours = scored_token_logps(
+                model, ids, attention, mask, distribution=TokenDistribution(temperature=temperature)
+            )
         own = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
         own = own.gather(-1, ids[:, 1:, None])[..., 0] * mask
         max_error = max(max_error, (ours.logps_BT - own).abs().max().item())

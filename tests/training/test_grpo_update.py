@@ -22,7 +22,7 @@ def _relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])  # bnpo: see below
 def test_micro_batches_give_the_whole_batch_update(tiny_model_dir: Path, loss_type: str) -> None:
     accelerator = Accelerator(cpu=True)
     settings = UpdateSettings(loss_type=loss_type, max_completion_tokens=20, beta=0.05)  # type: ignore[arg-type]
@@ -54,10 +54,30 @@ def test_loss_types_weigh_tokens_differently(tiny_model_dir: Path) -> None:
         )[0]
         for t in LOSS_TYPES
     ]
-    # on one process bnpo is dapo (both: 1 / this batch's tokens); the others all differ
+    # on one process, one micro-batch, bnpo is dapo (both: 1 / this batch's tokens); the
+    # others all differ
     assert _relative_difference(deltas[3], deltas[1]) < 1e-6
     for i, j in ((0, 1), (0, 2), (1, 2)):
         assert _relative_difference(deltas[i], deltas[j]) > 1e-2
+
+
+def test_bnpo_normalises_each_micro_batch_as_trl_does(tiny_model_dir: Path) -> None:
+    # TRL's bnpo: each micro-batch's token mean over the A accumulation steps, so one-row
+    # micro-batches weigh a token 1 / (A * n_b) = 1 / (R * n_b) with A = R rows: grpo's
+    # weights over the whole batch; micro-batches of 3 rows change the update
+    accelerator = Accelerator(cpu=True)
+    bnpo = UpdateSettings(loss_type="bnpo", max_completion_tokens=20, micro_batch_size=1)
+    rows_of_one, _ = update_delta(tiny_model_dir, bnpo, accelerator=accelerator)
+    grpo = UpdateSettings(loss_type="grpo", max_completion_tokens=20)
+    whole_grpo, _ = update_delta(tiny_model_dir, grpo, accelerator=accelerator)
+    assert _relative_difference(rows_of_one, whole_grpo) < 1e-5
+    whole_bnpo, _ = update_delta(
+        tiny_model_dir, dataclasses.replace(bnpo, micro_batch_size=None), accelerator=accelerator
+    )
+    rows_of_three, _ = update_delta(
+        tiny_model_dir, dataclasses.replace(bnpo, micro_batch_size=3), accelerator=accelerator
+    )
+    assert _relative_difference(rows_of_three, whole_bnpo) > 1e-2
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from training.logit_families import (
     check_family,
 )
 
+from agile_llmenvs.backends.types import TokenDistribution
 from agile_llmenvs.errors import LogitTransformError
 from agile_llmenvs.training.logit_transform import LogitTransform, probe_logit_transform
 from agile_llmenvs.training.logprobs import scored_token_logps
@@ -98,7 +99,9 @@ def test_gradients_through_the_transform_match_autograd(model_type: str) -> None
     model = _build(model_type)
     ids, attention, mask = _inputs(model.config)
     weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
-    scored = scored_token_logps(model, ids, attention, mask, temperature=0.7, chunk_tokens=5)
+    scored = scored_token_logps(
+        model, ids, attention, mask, distribution=TokenDistribution(temperature=0.7), chunk_tokens=5
+    )
     (scored.logps_BT * weights).sum().backward()
     ours = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()

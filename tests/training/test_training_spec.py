@@ -12,6 +12,7 @@ from agile_llmenvs.errors import OptionalDependencyError
 from agile_llmenvs.specs import RunManifest, TrainingSpec
 from agile_llmenvs.specs.manifest import LoRASpec, VLLMGenerationSpec
 from agile_llmenvs.training import train_grpo
+from agile_llmenvs.validation import problems_of
 
 
 def _message(error: pytest.ExceptionInfo[ValidationError]) -> str:
@@ -40,6 +41,19 @@ def test_defaults() -> None:
             "down_proj",
         ],
     }
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_scale_advantages_names_its_new_name(value: bool) -> None:
+    assert TrainingSpec(algorithm="grpo").scale_rewards == "group"  # TRL's default
+    env = {"env_type": "rollout", "entrypoint": "a:B"}
+    with pytest.raises(ValidationError) as raised:
+        RunManifest.model_validate(
+            {"env": env, "training": {"algorithm": "grpo", "scale_advantages": value}}
+        )
+    assert [(p.field, p.message) for p in problems_of(raised.value)] == [
+        ("training.scale_advantages", "renamed scale_rewards: true -> group, false -> none")
+    ]
 
 
 def test_vllm_generation_is_for_grpo_only() -> None:

@@ -1,0 +1,103 @@
+"""A :class:`~agile_llmenvs.backends.types.TokenDistribution` as tensor operations.
+
+The HF backend's sampler and the trainer's scored path both shape logits with these
+functions, so they keep the same tokens and compute the same log-probs. The operations and
+their order are vLLM's (``vllm/v1/sample``: the repetition penalty on the raw logits, the
+temperature, ``min_p``, then ``top_k`` and ``top_p``), so a vLLM engine or server samples the
+same distribution too. Every ``[N, V]`` tensor is one row of logits per position.
+
+Imported lazily by the backends, so that importing them does not import ``torch``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agile_llmenvs.backends.types import TokenDistribution
+
+__all__ = ["context_mask", "penalize_", "shape_"]
+
+
+def context_mask(ids_NL: torch.Tensor, lengths_N: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[N, V]``: True for every token among the first ``lengths_N[n]`` ids of row ``n``.
+
+    Args:
+        ids_NL: Token ids; only each row's first ``lengths_N`` count.
+        lengths_N: How many of each row's ids are context (at least 1).
+        vocab_size: ``V``.
+    """
+    width = ids_NL.shape[1]
+    counted_NL = torch.arange(width, device=ids_NL.device)[None, :] < lengths_N[:, None]
+    # a column that does not count stands in for the row's first id, which does
+    ids_NL = torch.where(counted_NL, ids_NL, ids_NL[:, :1])
+    mask_NV = torch.zeros((ids_NL.shape[0], vocab_size), dtype=torch.bool, device=ids_NL.device)
+    return mask_NV.scatter_(1, ids_NL, True)
+
+
+def penalize_(logits_NV: torch.Tensor, seen_NV: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Apply the repetition penalty in place (vLLM's ``apply_repetition_penalties``): a
+    positive logit of a token in the context is divided by ``penalty``, another multiplied.
+
+    Returns:
+        Each logit's factor, ``1 / penalty``, ``penalty`` or 1: also its derivative.
+    """
+    penalties_NV = torch.where(seen_NV, penalty, 1.0).to(logits_NV.dtype)
+    scaling_NV = torch.where(logits_NV > 0, 1.0 / penalties_NV, penalties_NV)
+    logits_NV.mul_(scaling_NV)
+    return scaling_NV
+
+
+def shape_(
+    logits_NV: torch.Tensor, distribution: TokenDistribution, *, keep_N: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Divide ``logits_NV`` by the temperature in place, and truncate a copy, as
+    ``distribution`` says (its repetition penalty is :func:`penalize_`'s, applied before).
+
+    Args:
+        logits_NV: fp32 logits (after the model's post-head transform and the penalty).
+        distribution: The temperature and the truncation.
+        keep_N: A token id per row kept whatever the truncation says (the trainer's scored
+            token).
+
+    Returns:
+        ``(scaled_NV, shaped_NV)``: the logits over the temperature, and those logits with
+        ``-inf`` outside the kept set: the same tensor when nothing truncates.
+    """
+    if distribution.temperature != 1.0:
+        logits_NV.div_(distribution.temperature)
+    if distribution.top_k is None and distribution.top_p >= 1.0 and distribution.min_p <= 0.0:
+        return logits_NV, logits_NV
+    shaped_NV = logits_NV.clone()
+    if distribution.min_p > 0.0:
+        probs_NV = torch.softmax(shaped_NV, dim=-1)
+        floor_N1 = probs_NV.amax(dim=-1, keepdim=True).mul_(distribution.min_p)
+        shaped_NV.masked_fill_(probs_NV < floor_N1, -float("inf"))
+        del probs_NV
+    _top_k_top_p_(shaped_NV, distribution.top_k, distribution.top_p)
+    if keep_N is not None:
+        shaped_NV.scatter_(-1, keep_N[:, None], logits_NV.gather(-1, keep_N[:, None]))
+    return logits_NV, shaped_NV
+
+
+def _top_k_top_p_(logits_NV: torch.Tensor, top_k: int | None, top_p: float) -> None:
+    """vLLM's ``apply_top_k_top_p`` on CPU, in place: a top-k alone by its k-th value, with a
+    top-p by one ascending sort (a tie at the k-th value keeps every tied token)."""
+    vocab_size = logits_NV.shape[-1]
+    top_k = top_k if top_k is not None and top_k < vocab_size else None
+    if top_k is None and top_p >= 1.0:
+        return
+    if top_p >= 1.0:
+        assert top_k is not None
+        kth_N1 = logits_NV.topk(top_k, dim=-1).values[:, -1:]
+        logits_NV.masked_fill_(logits_NV < kth_N1, -float("inf"))
+        return
+    sorted_NV, order_NV = logits_NV.sort(dim=-1, descending=False)
+    if top_k is not None:
+        kth_N1 = sorted_NV[:, vocab_size - top_k, None]
+        sorted_NV.masked_fill_(sorted_NV < kth_N1, -float("inf"))
+    cumulative_NV = sorted_NV.softmax(dim=-1).cumsum_(dim=-1)
+    # 1 - p in fp32, as vLLM computes it from its fp32 tensor of p
+    dropped_NV = cumulative_NV <= 1.0 - torch.tensor(top_p, dtype=torch.float32)
+    dropped_NV[:, -1] = False  # at least the likeliest
+    sorted_NV.masked_fill_(dropped_NV, -float("inf"))
+    logits_NV.scatter_(-1, order_NV, sorted_NV)

@@ -351,14 +351,20 @@ def _some(keys: list[str]) -> str:
 
 
 def _rng_state() -> dict[str, Any]:
+    """This process's generators: Python's, torch's CPU one and, on a GPU, its device's."""
     python_state = random.getstate()
-    return {
+    state = {
         "python": [python_state[0], list(python_state[1]), python_state[2]],
         "torch": torch.get_rng_state(),
     }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def _set_rng_state(state: Mapping[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

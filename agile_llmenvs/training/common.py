@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,6 +159,7 @@ def prepare_policy(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if config.fsdp:  # sharded by us, so not wrapped (in DDP) by accelerate
         model = shard_policy(model, accelerator.device)
+        autocast_forward(model, accelerator)
         optimizer = make_optimizer(
             model, learning_rate=config.learning_rate, weight_decay=config.weight_decay
         )
@@ -174,6 +176,22 @@ def prepare_policy(
         total_steps=total_steps,
     )
     return Learner(accelerator, model, optimizer, scheduler, config.max_grad_norm), tokenizer
+
+
+def autocast_forward(model: Any, accelerator: Any) -> None:
+    """Run ``model``'s forward under ``accelerator``'s autocast, as ``accelerate`` does for
+    the models it prepares: a policy sharded by us then computes in the same precision
+    whoever calls it (generation, scoring, the update). A no-op without mixed precision."""
+    if accelerator.mixed_precision == "no":
+        return
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def autocast(*args: Any, **kwargs: Any) -> Any:
+        with accelerator.autocast():
+            return forward(*args, **kwargs)
+
+    model.forward = autocast
 
 
 def reference_model(policy: Any, device: Any) -> Any:

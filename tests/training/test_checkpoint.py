@@ -68,6 +68,22 @@ def test_a_round_trip_restores_the_step_and_the_rank_state(
     assert (step, state) == (1, {"position": 3})
 
 
+def test_a_gpus_generator_is_saved_and_restored(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # no GPU here: torch.cuda's generator calls stand in for a device's, byte for byte
+    device_state = {"now": torch.arange(16, dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: device_state["now"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: device_state.update(now=s))
+    _save(tiny_model_dir, tmp_path)
+    saved = torch.load(tmp_path / "checkpoint-1" / "rank0.pt", weights_only=True)["rng"]
+    assert torch.equal(saved["cuda"], torch.arange(16, dtype=torch.uint8))
+    device_state["now"] = torch.zeros(16, dtype=torch.uint8)  # the generator moved on
+    _load(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path)
+    assert torch.equal(device_state["now"], torch.arange(16, dtype=torch.uint8))
+
+
 def test_weights_of_another_architecture_are_refused_naming_the_keys(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -116,6 +116,23 @@ def test_an_fsdp2_sharded_policy_gives_the_one_process_update(
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
+def test_an_fsdp2_policy_under_bf16_scores_itself_as_it_updates(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # the behaviour log-probs a sharded policy computes for itself run under the update's
+    # autocast: the first pass's ratios are exactly 1 (fp32 self-scoring put them off by
+    # bf16's rounding)
+    output = tmp_path / "metrics.pt"
+    done = launch_two(HERE / "fsdp_bf16_scoring.py", str(tiny_model_dir), str(output))
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = torch.load(output, weights_only=False)
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["ratio_max"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["forward_dtype"] == "torch.bfloat16"  # generation computes as it trains
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
 def test_hf_generation_on_an_fsdp2_policy_equals_the_unsharded_one(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

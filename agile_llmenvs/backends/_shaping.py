@@ -79,25 +79,46 @@ def shape_(
     return logits_NV, shaped_NV
 
 
+#: Top-p alone looks for its cut among this many likeliest tokens first (a sort of the whole
+#: vocabulary only when they hold less than ``top_p`` of the mass).
+TOP_P_CANDIDATES = 1024
+
+
 def _top_k_top_p_(logits_NV: torch.Tensor, top_k: int | None, top_p: float) -> None:
-    """vLLM's ``apply_top_k_top_p`` on CPU, in place: a top-k alone by its k-th value, with a
-    top-p by one ascending sort (a tie at the k-th value keeps every tied token)."""
+    """vLLM's ``apply_top_k_top_p``, in place: ``-inf`` below the k-th largest logit (every
+    token tied with it kept), then, over what is left, the least likely tokens whose
+    cumulative probability stays within ``1 - top_p`` (the likeliest always kept).
+
+    The top-p cut is found among candidates: the top-k survivors when there is a top-k, else
+    the :data:`TOP_P_CANDIDATES` likeliest when they hold ``top_p`` of the mass (the tokens
+    past them are dropped either way), else every token: a sort of the whole vocabulary only
+    when nothing smaller will do.
+    """
     vocab_size = logits_NV.shape[-1]
     top_k = top_k if top_k is not None and top_k < vocab_size else None
     if top_k is None and top_p >= 1.0:
         return
-    if top_p >= 1.0:
-        assert top_k is not None
+    if top_k is not None:
         kth_N1 = logits_NV.topk(top_k, dim=-1).values[:, -1:]
         logits_NV.masked_fill_(logits_NV < kth_N1, -float("inf"))
-        return
-    sorted_NV, order_NV = logits_NV.sort(dim=-1, descending=False)
-    if top_k is not None:
-        kth_N1 = sorted_NV[:, vocab_size - top_k, None]
-        sorted_NV.masked_fill_(sorted_NV < kth_N1, -float("inf"))
-    cumulative_NV = sorted_NV.softmax(dim=-1).cumsum_(dim=-1)
+        if top_p >= 1.0:
+            return
+        width = int((logits_NV > -float("inf")).sum(dim=-1).max())  # k, or more with ties
+    else:
+        width = min(vocab_size, TOP_P_CANDIDATES)
+    logsumexp_N1 = logits_NV.logsumexp(dim=-1, keepdim=True)
+    ascending_NK = logits_NV.topk(width, dim=-1).values.flip(-1)
+    probs_NK = (ascending_NK - logsumexp_N1).exp_()
+    outside_N1 = (1.0 - probs_NK.sum(dim=-1, keepdim=True)).clamp_(min=0.0)
+    if bool((outside_N1 > 1.0 - top_p).any()):  # the cut may lie past the candidates
+        ascending_NK = logits_NV.sort(dim=-1).values
+        probs_NK = (ascending_NK - logsumexp_N1).exp_()
+        outside_N1 = torch.zeros_like(logsumexp_N1)
+    # the mass of each candidate and every less likely token, the ones outside included
+    cumulative_NK = probs_NK.cumsum_(dim=-1).add_(outside_N1)
     # 1 - p in fp32, as vLLM computes it from its fp32 tensor of p
-    dropped_NV = cumulative_NV <= 1.0 - torch.tensor(top_p, dtype=torch.float32)
-    dropped_NV[:, -1] = False  # at least the likeliest
-    sorted_NV.masked_fill_(dropped_NV, -float("inf"))
-    logits_NV.scatter_(-1, order_NV, sorted_NV)
+    dropped_NK = cumulative_NK <= 1.0 - torch.tensor(top_p, dtype=torch.float32)
+    dropped_NK[:, -1] = False  # at least the likeliest
+    # the cut is monotone: the kept tokens are those from the first one not dropped on
+    first_kept_N1 = (~dropped_NK).to(torch.uint8).argmax(dim=-1, keepdim=True)
+    logits_NV.masked_fill_(logits_NV < ascending_NK.gather(-1, first_kept_N1), -float("inf"))

@@ -135,22 +135,14 @@ def _build_qwen_half_b(path: Path, device: str) -> None:
     """Qwen2.5-0.5B's config (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4,864, vocab
     151,936, tied embeddings), random weights, the built-in tokenizer."""
     import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from _qwen import qwen_05b_config  # beside this file
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     from agile_llmenvs.tiny_model import ensure_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
-    config = Qwen2Config(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151_936,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    config = qwen_05b_config(
+        24, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
     torch.manual_seed(0)
     with torch.device(device):  # initialising on the GPU is seconds faster

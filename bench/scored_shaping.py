@@ -25,10 +25,11 @@ import time
 from typing import Any
 
 import torch
+from _memory import Memory
+from _qwen import VOCAB, qwen_05b_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-VOCAB = 151_936
 SETTINGS: dict[str, dict[str, Any]] = {
     "plain": {"temperature": 0.7},
     "top_k_top_p": {"temperature": 0.7, "top_k": 20, "top_p": 0.8},
@@ -58,7 +59,7 @@ def main() -> None:
     ids, attention, mask = _inputs(args)
     distributions = {name: TokenDistribution(**kw) for name, kw in SETTINGS.items()}
     _step(model, ids, attention, mask, distributions["plain"])  # warm-up: probe, allocator
-    memory = _Memory(args.device)
+    memory = Memory(args.device)
     floor = memory.current()
     seconds: dict[str, list[float]] = {name: [] for name in distributions}
     peaks: dict[str, float] = {}
@@ -89,18 +90,9 @@ def main() -> None:
 
 
 def _model(device: str) -> Any:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=1,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-    )
+    config = qwen_05b_config(1)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(device)
     with torch.no_grad():  # a trained model's peaked next-token distributions, roughly
@@ -125,38 +117,6 @@ def _step(model: Any, ids: Any, attention: Any, mask: Any, distribution: Any) ->
     scored.logps_BT.sum().backward()
     if ids.device.type == "cuda":
         torch.cuda.synchronize()
-
-
-class _Memory:
-    """The process's resident memory (CPU) or the device's allocated memory (GPU), in GB."""
-
-    def __init__(self, device: str) -> None:
-        self.cuda = device.startswith("cuda")
-
-    def current(self) -> float:
-        if self.cuda:
-            return torch.cuda.memory_allocated() / 1e9
-        return _status_kb("VmRSS") / 1e6
-
-    def peak(self) -> float:
-        if self.cuda:
-            return torch.cuda.max_memory_allocated() / 1e9
-        return _status_kb("VmHWM") / 1e6
-
-    def reset_peak(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            with open("/proc/self/clear_refs", "w") as file:
-                file.write("5")
-
-
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as file:
-        for line in file:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {key}")
 
 
 if __name__ == "__main__":

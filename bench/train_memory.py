@@ -31,10 +31,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from _memory import Memory
+from _qwen import VOCAB, qwen_05b_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-VOCAB = 151_936
 PEAK_TARGET_GB = 3.0
 PEAK_RATIO_TARGET = 1.1
 THROUGHPUT_TARGET = 0.85
@@ -52,7 +53,7 @@ def main() -> None:
     args = parser.parse_args()
 
     learner = _learner(args.layers, args.device)
-    memory = _Memory(args.device)
+    memory = Memory(args.device)
     _warm_up(learner, args)
     floor = memory.current()
     report: dict[str, Any] = {
@@ -95,21 +96,12 @@ def main() -> None:
 
 def _learner(layers: int, device: str) -> Any:
     from accelerate import Accelerator
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from agile_llmenvs.training.learner import Learner
     from agile_llmenvs.training.optim import make_optimizer, make_scheduler
 
-    config = Qwen2Config(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=layers,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-    )
+    config = qwen_05b_config(layers)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(device)
     accelerator = Accelerator(cpu=device == "cpu")
@@ -187,38 +179,6 @@ def _bare_tokens_per_s(learner: Any, args: argparse.Namespace, samples: int) -> 
     seconds = time.perf_counter() - start
     learner.optimizer.zero_grad(set_to_none=False)
     return samples * args.tokens / seconds
-
-
-class _Memory:
-    """The process's resident memory (CPU) or the device's allocated memory (GPU), in GB."""
-
-    def __init__(self, device: str) -> None:
-        self.cuda = device.startswith("cuda")
-
-    def current(self) -> float:
-        if self.cuda:
-            return torch.cuda.memory_allocated() / 1e9
-        return _status_kb("VmRSS") / 1e6
-
-    def peak(self) -> float:
-        if self.cuda:
-            return torch.cuda.max_memory_allocated() / 1e9
-        return _status_kb("VmHWM") / 1e6
-
-    def reset_peak(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            with open("/proc/self/clear_refs", "w") as file:
-                file.write("5")
-
-
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as file:
-        for line in file:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {key}")
 
 
 if __name__ == "__main__":

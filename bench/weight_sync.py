@@ -44,10 +44,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _memory import status_kb
+from _qwen import qwen_05b_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-VOCAB = 151_936
 SYNC_TARGET = 1.5
 MEMORY_TARGET_LAYERS = 2.0
 _CHUNK = 16 << 20
@@ -84,22 +85,13 @@ def main() -> None:
 
 
 def _build_model(path: Path, layers: int) -> Path:
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     from agile_llmenvs.tiny_model import ensure_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
-    config = Qwen2Config(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=layers,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    config = qwen_05b_config(
+        layers, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(path)
@@ -261,7 +253,7 @@ def _sharded_worker(out: Path) -> None:
     layer_bytes = _layer_bytes(model)
     model = shard_policy(model, torch.device("cpu"))
     torch.distributed.barrier()
-    before = _status_kb("VmRSS") * 1024
+    before = status_kb("VmRSS") * 1024
     with open("/proc/self/clear_refs", "w") as file:  # VmHWM restarts from VmRSS
         file.write("5")
     start = time.perf_counter()
@@ -269,21 +261,13 @@ def _sharded_worker(out: Path) -> None:
         model, out / "folder" if rank == 0 else None, rank=rank, world_size=2
     )
     seconds = time.perf_counter() - start
-    extra = _status_kb("VmHWM") * 1024 - before
+    extra = status_kb("VmHWM") * 1024 - before
     record = {"extra_bytes": max(extra, 0), "layer_bytes": layer_bytes, "seconds": seconds}
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     torch.distributed.barrier()
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
     torch.distributed.destroy_process_group()
-
-
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as file:
-        for line in file:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {key}")
 
 
 if __name__ == "__main__":

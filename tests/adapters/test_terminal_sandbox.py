@@ -278,7 +278,8 @@ def test_the_task_folder_is_not_visible_to_the_policy(make_env, tmp_path: Path) 
 
 def test_setup_and_verifier_see_the_task_and_work_folders(make_env, tmp_path: Path) -> None:
     setup = 'cp "$TASK_DIR/instruction.md" "$WORK_DIR/copy.md"\n'
-    verify = 'test -f "$TASK_DIR/verify.sh" && echo 0.5 > "$REWARD_FILE"; cat copy.md\n'
+    verify = 'test -f "$TASK_DIR/verify.sh" && echo 0.5 > "$REWARD_FILE"\n'
+    verify += 'cat "$WORK_DIR/copy.md"\n'
     env = make_env(make_task(tmp_path, verify, setup))
     state, _ = env.reset(options={"task_index": 0})
     result = env.step(state, Action.from_text("submit"))

@@ -42,6 +42,7 @@ __all__ = [
     "check_bubblewrap",
     "jail_uid",
     "kill_and_confirm",
+    "read_tail",
     "read_until",
     "run_jailed",
     "start_jailed",
@@ -54,6 +55,7 @@ _START_TIMEOUT_S = 10.0
 _KILL_TIMEOUT_S = 10.0
 _READ_SIZE = 65536
 _POLL_S = 0.2
+TAIL_BYTES = 65536  # how much of a script's output is kept
 _UID_LOW, _UID_HIGH = 1_000_000, 2_000_000_000  # unprivileged uids no account uses
 
 
@@ -291,22 +293,53 @@ def read_until(
             return bytes(data), True
 
 
+def read_tail(
+    fd: int, deadline: float, alive: subprocess.Popen[bytes], keep: int = TAIL_BYTES
+) -> tuple[str, bool]:
+    """Read ``fd`` as :func:`read_until` does, holding only its last ``keep`` bytes.
+
+    Returns ``(text, finished)``; when more came than was kept, the text starts with a line
+    saying how much: ``[output: 209715200 bytes, the last 65536 kept]``.
+    """
+    tail = bytearray()
+    total = 0
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        ready, _, _ = select.select([fd], [], [], min(remaining, _POLL_S))
+        chunk = os.read(fd, _READ_SIZE) if ready else b""
+        if chunk:
+            total += len(chunk)
+            tail += chunk
+            if len(tail) > 2 * keep:  # trimmed in batches, not per chunk
+                del tail[:-keep]
+        elif ready or alive.poll() is not None:
+            break
+    finished = remaining > 0
+    text = bytes(tail[-keep:]).decode("utf-8", errors="replace")
+    if total > keep:
+        text = f"[output: {total} bytes, the last {keep} kept]\n" + text
+    return text, finished
+
+
 def run_jailed(spec: JailSpec, command: Sequence[str], timeout_s: float) -> tuple[int | None, str]:
     """``(exit status, or None past timeout_s; output)`` of ``command`` in a fresh jail.
 
     The jail is killed when the command ends, or at the deadline, whatever it left running
     (a child that keeps the output pipe open does not hold the caller past the deadline).
+    Only the output's last :data:`TAIL_BYTES` are kept (see :func:`read_tail`).
     """
     jailed = start_jailed(spec, command, stdin=subprocess.DEVNULL)
     assert jailed.process.stdout is not None
     try:
         deadline = time.monotonic() + timeout_s
-        data, _ = read_until(jailed.process.stdout.fileno(), deadline, jailed.process)
+        output, _ = read_tail(jailed.process.stdout.fileno(), deadline, jailed.process)
         code = wait_until(jailed.process, deadline)
     finally:
         jailed.kill()
         jailed.process.stdout.close()
-    return code, data.decode("utf-8", errors="replace")
+    return code, output
 
 
 def wait_until(process: subprocess.Popen[bytes], deadline: float) -> int | None:

@@ -2,13 +2,19 @@
 
 A tasks folder holds one sub-folder per task; sorted by name, their positions are the task
 indices. A task folder holds ``instruction.md`` (what the agent is asked), ``verify.sh`` (run
-in the working directory when the episode ends; it sets the reward) and optionally
-``setup.sh`` (run in the fresh working directory before the first command).
+when the episode ends; it sets the reward) and optionally ``setup.sh`` (run in the fresh
+working directory before the first command).
 
 The reward: a number the verifier writes to the file ``$REWARD_FILE`` (``1``, ``0.25``); when
 it writes none, exit status 0 gives 1.0 and any other status 0.0. A verifier that outlives
 its timeout gives 0.0. Scripts see ``TASK_DIR`` (the task folder), ``WORK_DIR`` and, when the
 episode was reset with a seed, ``TASK_SEED``.
+
+The verifier trusts nothing the policy wrote: it starts in a fresh empty folder that is also
+its ``HOME`` (not the work folder, the policy's ``HOME``), with an environment of its own
+(:data:`VERIFIER_ENV`: no user site-packages, no script folder on ``sys.path``, no git config
+but the repository's), so no start-up file of Python, git or a shell in the work folder runs.
+It finds the policy's files at ``$WORK_DIR``, and must read them as data.
 
 By default (``sandbox="bubblewrap"``) every episode runs in bubblewrap jails (see
 :mod:`agile_llmenvs.adapters.terminal.jail` and docs/terminal.md's threat model): the shell
@@ -25,11 +31,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -39,7 +46,7 @@ from agile_llmenvs.adapters.terminal.jail import (
     SandboxLimits,
     check_bubblewrap,
     jail_uid,
-    read_until,
+    read_tail,
     run_jailed,
     wait_until,
 )
@@ -52,6 +59,16 @@ __all__ = ["LocalSandbox", "TaskFolder", "TerminalTask"]
 WORK_DIR_PREFIX = "agile-llmenvs-terminal-"
 JAIL_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _MAX_REWARD_BYTES = 4096
+# What every verifier's environment holds besides PATH, HOME and the task's variables: no
+# start-up code from a folder the policy wrote (Python ignores PYTHONSAFEPATH before 3.11;
+# the verifier's working folder is fresh and empty anyway).
+VERIFIER_ENV = {
+    "PYTHONNOUSERSITE": "1",
+    "PYTHONSAFEPATH": "1",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "GIT_CONFIG_GLOBAL": "/dev/null",
+    "GIT_CONFIG_NOSYSTEM": "1",
+}
 _log = logging.getLogger(__name__)
 
 
@@ -178,10 +195,8 @@ class LocalSandbox:
         self.task = task
         self._timeout_s = folder.script_timeout_s
         self._jailed = folder.sandbox == "bubblewrap"
-        self._root = tempfile.TemporaryDirectory(
-            prefix=WORK_DIR_PREFIX, dir=folder.work_root, ignore_cleanup_errors=True
-        )
-        root = Path(self._root.name)
+        root = Path(tempfile.mkdtemp(prefix=WORK_DIR_PREFIX, dir=folder.work_root))
+        self._remove_root = weakref.finalize(self, _remove_quietly, root)  # once, at close
         self.work_dir = root / "work"
         self._verifier_dir = root / "verifier"
         self._reward_file = self._verifier_dir / "reward"
@@ -189,13 +204,10 @@ class LocalSandbox:
         self._uid = jail_uid()
         if self._jailed:
             os.chown(self.work_dir, self._uid, self._uid)
-        else:
-            self._verifier_dir.mkdir()
         self._env = _shell_env(self.work_dir, jailed=self._jailed)
-        self._script_env = {**self._env, "TASK_DIR": str(task.directory)}
-        self._script_env["WORK_DIR"] = str(self.work_dir)
+        self._task_vars = {"TASK_DIR": str(task.directory), "WORK_DIR": str(self.work_dir)}
         if seed is not None:
-            self._script_env["TASK_SEED"] = str(seed)
+            self._task_vars["TASK_SEED"] = str(seed)
         self._spec = JailSpec(
             self.work_dir,
             self._env,
@@ -231,18 +243,20 @@ class LocalSandbox:
         return self._shell.run(command, timeout_s)
 
     def verify(self) -> Verdict:
-        """End the shell (every process it started), then run ``verify.sh`` in the working
-        directory and read the reward it sets."""
+        """End the shell (every process it started), then run ``verify.sh`` in a fresh folder
+        of its own (its cwd and ``HOME``) and read the reward it sets."""
         if self._shell is not None:
             self._shell.close()
             self._shell = None
-        if self._jailed:  # a fresh folder only the verifier's jail sees
-            shutil.rmtree(self._verifier_dir, ignore_errors=True)
-            self._verifier_dir.mkdir()
-            os.chown(self._verifier_dir, self._uid, self._uid)
-        self._reward_file.unlink(missing_ok=True)
-        env = {**self._script_env, "REWARD_FILE": str(self._reward_file)}
-        code, output = self._script(self.task.verify_script, env, (self._verifier_dir,))
+        home = self._fresh_verifier_dir()
+        env = {
+            **self._env,
+            **VERIFIER_ENV,
+            **self._task_vars,
+            "HOME": str(home),
+            "REWARD_FILE": str(self._reward_file),
+        }
+        code, output = self._script(self.task.verify_script, env, home)
         if code is None:
             return Verdict(0.0, output + f"\n[verifier timed out after {self._timeout_s} s]", None)
         written = _read_reward(self._reward_file)
@@ -259,29 +273,41 @@ class LocalSandbox:
         if self._shell is not None:
             self._shell.close()
             self._shell = None
-        self._root.cleanup()
+        self._remove_root()
+
+    def _fresh_verifier_dir(self) -> Path:
+        """An empty ``verifier/home`` beside the work folder, which only the verifier's jail
+        sees; returns the home."""
+        remove_tree(self._verifier_dir)
+        home = self._verifier_dir / "home"
+        home.mkdir(parents=True)
+        if self._jailed:
+            for folder in (self._verifier_dir, home):
+                os.chown(folder, self._uid, self._uid)
+        return home
 
     def _set_up(self) -> None:
         script = self.task.setup_script
         if script is None:
             return
-        code, output = self._script(script, self._script_env, ())
+        code, output = self._script(script, {**self._env, **self._task_vars}, self.work_dir)
         if code != 0:
             how = f"timed out after {self._timeout_s} s" if code is None else f"exited {code}"
             raise EnvBuildError(
                 f"setup.sh of task {self.task.name!r} {how}; its output ends: {output[-500:]!r}"
             )
 
-    def _script(
-        self, script: Path, env: dict[str, str], writable: tuple[Path, ...]
-    ) -> tuple[int | None, str]:
+    def _script(self, script: Path, env: dict[str, str], cwd: Path) -> tuple[int | None, str]:
+        """Run ``script`` in ``cwd``: the work folder (setup) or the verifier's home."""
         command = ["bash", "--noprofile", "--norc", str(script)]
         if not self._jailed:
-            return _run_script(command, self.work_dir, env, self._timeout_s)
+            return _run_script(command, cwd, env, self._timeout_s)
+        writable = (self.work_dir,) if cwd == self.work_dir else (self.work_dir, self._verifier_dir)
         spec = replace(
             self._spec,
+            cwd=cwd,
             env=env,
-            writable=(self.work_dir, *writable),
+            writable=writable,
             readable=(self.task.directory,),
         )
         return run_jailed(spec, command, self._timeout_s)
@@ -324,7 +350,7 @@ def _run_script(
     assert process.stdout is not None
     deadline = time.monotonic() + timeout_s
     try:
-        out, _ = read_until(process.stdout.fileno(), deadline, process)
+        output, _ = read_tail(process.stdout.fileno(), deadline, process)
         code = wait_until(process, deadline)
     finally:
         with contextlib.suppress(ProcessLookupError):  # what the script left running goes too
@@ -332,4 +358,64 @@ def _run_script(
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=10)
         process.stdout.close()
-    return code, out.decode("utf-8", errors="replace")
+    return code, output
+
+
+def remove_tree(root: Path) -> None:
+    """Delete ``root`` and everything under it, however the policy built it.
+
+    Iterative, so no depth reaches a recursion limit; walks by file descriptor, one folder
+    open at a time, so no path grows past ``PATH_MAX``; never follows a link; and opens up
+    folders made unreadable or unwritable (``chmod 000``) before entering them.
+    """
+    try:
+        if not stat.S_ISDIR(os.lstat(root).st_mode):
+            root.unlink()
+            return
+        os.chmod(root, 0o700)
+    except FileNotFoundError:
+        return
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    fd = os.open(root, flags)
+    # per folder entered, outermost first: its name and its sub-folders still to delete
+    stack: list[tuple[str, list[str]]] = [("", _unlink_all_but_folders(fd))]
+    try:
+        while True:
+            name, pending = stack[-1]
+            if pending:
+                child = pending.pop()
+                os.chmod(child, 0o700, dir_fd=fd)  # a folder, and nothing runs to swap it
+                child_fd = os.open(child, flags, dir_fd=fd)
+                os.close(fd)
+                fd = child_fd
+                stack.append((child, _unlink_all_but_folders(fd)))
+                continue
+            stack.pop()
+            if not stack:
+                break
+            parent_fd = os.open("..", flags, dir_fd=fd)
+            os.close(fd)
+            fd = parent_fd
+            os.rmdir(name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(root)
+
+
+def _remove_quietly(root: Path) -> None:
+    """:func:`remove_tree`, logging (not raising) what it could not delete."""
+    try:
+        remove_tree(root)
+    except OSError as exc:
+        _log.warning("could not delete the episode folder %s: %s", root, exc)
+
+
+def _unlink_all_but_folders(fd: int) -> list[str]:
+    """Unlink every entry of the open folder ``fd`` but folders; the folders' names."""
+    folders = []
+    for name in os.listdir(fd):
+        if stat.S_ISDIR(os.lstat(name, dir_fd=fd).st_mode):
+            folders.append(name)
+        else:
+            os.unlink(name, dir_fd=fd)
+    return folders

@@ -1,2 +1,3 @@
 # Exit status 0 (reward 1.0) when count.txt holds 37, whitespace aside.
-[ -f count.txt ] && [ "$(tr -d '[:space:]' < count.txt)" = "37" ]
+f="$WORK_DIR/count.txt"
+[ -f "$f" ] && [ "$(tr -d '[:space:]' < "$f")" = "37" ]

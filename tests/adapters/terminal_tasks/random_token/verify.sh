@@ -1,1 +1,1 @@
-[ -s token.txt ]
+[ -s "$WORK_DIR/token.txt" ]

@@ -15,6 +15,10 @@ from agile_llmenvs.errors import AgileLLMEnvsError, EnvBuildError, ImportPathErr
 
 __all__ = ["main"]
 
+#: Sessions ``serve`` hosts at once unless told otherwise: one GRPO group of the manifest's
+#: default ``group_size`` (8), each completion's episode in a session of its own.
+SERVE_SESSIONS = 8
+
 
 def _validate(args: argparse.Namespace) -> int:
     from agile_llmenvs.validation import validate_file
@@ -48,6 +52,7 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import os
     import signal
     import threading
 
@@ -56,12 +61,15 @@ def _serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ManifestError(f"--port: expected 0..65535 (0: any free port), got {args.port}")
     make_env, name, sessions = _env_to_serve(args)
+    exposed = _exposure_warning(args.host, args.token)
+    if exposed is not None:
+        print(exposed, file=sys.stderr, flush=True)
     server = OpenEnvServer(
         make_env=make_env,
         host=args.host,
         port=args.port,
         env_name=name,
-        max_concurrent_envs=args.max_concurrent_envs or sessions or 1,
+        max_concurrent_envs=args.max_concurrent_envs or sessions or SERVE_SESSIONS,
         advertise_host=args.advertise_host,
         token=args.token,
     )
@@ -70,13 +78,38 @@ def _serve(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     print(f"serving {args.entrypoint} at {url} (sessions at {url}/ws)", flush=True)
+    status = 0
     while not stop.wait(1.0):
         if not server.serving:  # exit non-zero, so a supervisor restarts it
             print(f"error: the env server at {url} stopped serving", file=sys.stderr)
-            server.close()
-            return 1
-    server.close()
-    return 0
+            status = 1
+            break
+    server.close()  # open sessions get a close frame; bounded by a few seconds
+    if server.serving:  # an env call that never returns holds the server: leave anyway
+        print(f"the env server at {url} did not stop within 5 s; exiting", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def _exposure_warning(host: str, token: str | None) -> str | None:
+    """The warning for a server any host on the network can use, or None."""
+    import ipaddress
+
+    if token is not None:
+        return None
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        loopback = False
+    if loopback:
+        return None
+    return (
+        f"warning: serving on {host} without --token: anyone who can reach this port can run "
+        "and exhaust its envs; pass --token SECRET (clients send it as a Bearer token), or "
+        "bind 127.0.0.1"
+    )
 
 
 def _env_to_serve(args: argparse.Namespace) -> tuple[Callable[[], Any], str, int | None]:
@@ -182,13 +215,18 @@ def _parser() -> argparse.ArgumentParser:
         "--max-concurrent-envs",
         type=int,
         default=None,
-        help="sessions served at once, a fresh env each (default: a manifest's env.num_envs, "
-        "else 1)",
+        help="envs alive at once (WebSocket sessions, MCP sessions and HTTP calls), a fresh "
+        f"env each (default: a manifest's env.num_envs, else {SERVE_SESSIONS}: one GRPO group "
+        "of the default group_size; for training use at least batch_size * group_size)",
     )
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="interface to bind (default loopback; another one without --token warns)",
+    )
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--advertise-host", help="host clients should dial, if not --host")
-    serve.add_argument("--token", help="shared secret clients must present")
+    serve.add_argument("--token", help="shared secret clients must present (Authorization: Bearer)")
     serve.set_defaults(run=_serve)
     from agile_llmenvs.evaluation.command import register as register_eval
 

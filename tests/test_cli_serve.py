@@ -188,3 +188,57 @@ def test_a_mistake_exits_2_as_a_process_and_debug_shows_the_traceback(tmp_path: 
         "agile_llmenvs.errors.ImportPathError: envs/broken.py:MyEnv: importing failed: "
         "ModuleNotFoundError: No module named 'absent_dependency'\n"
     )
+
+
+class _RecordedServer:
+    """Stands in for ``OpenEnvServer``: records how ``serve`` built it, then stops serving."""
+
+    built: dict[str, object] = {}
+    url = "http://0.0.0.0:1"
+    serving = False
+
+    def __init__(self, **kwargs: object) -> None:
+        _RecordedServer.built = kwargs
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("host", "token", "warned"),
+    [
+        ("0.0.0.0", None, True),
+        ("::", None, True),
+        ("127.0.0.1", None, False),
+        ("0.0.0.0", "s", False),
+    ],
+)
+def test_serve_warns_when_it_listens_beyond_loopback_without_a_token(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    host: str,
+    token: str | None,
+    warned: bool,
+) -> None:
+    import agile_llmenvs.transport.server
+
+    monkeypatch.setattr(agile_llmenvs.transport.server, "OpenEnvServer", _RecordedServer)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    args = ["serve", "echo_envs:EchoEnv", "--host", host] + (["--token", token] if token else [])
+    assert main(args) == 1  # the stand-in stops serving at once
+    warning = (
+        f"warning: serving on {host} without --token: anyone who can reach this port can run "
+        "and exhaust its envs; pass --token SECRET (clients send it as a Bearer token), or "
+        "bind 127.0.0.1\n"
+    )
+    assert (warning in capsys.readouterr().err) is warned
+    assert _RecordedServer.built["max_concurrent_envs"] == 8  # one GRPO group of 8
+
+
+def test_serve_help_says_the_default_capacity_suits_a_grpo_group(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "else 8: one GRPO group of the default group_size" in help_text

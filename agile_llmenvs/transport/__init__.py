@@ -5,7 +5,7 @@ from __future__ import annotations
 from agile_llmenvs.transport.client import EnvClientProtocol, InProcessEnvClient
 from agile_llmenvs.transport.remote import ClientState, RemoteEnvClient
 from agile_llmenvs.transport.server import OpenEnvServer
-from agile_llmenvs.transport.sessions import ServerSettings
+from agile_llmenvs.transport.settings import ServerSettings
 from agile_llmenvs.transport.types import EnvReply, TextAction, TextObservation, TextState
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
 

@@ -6,7 +6,8 @@ calls of the same event-loop iteration (:mod:`~agile_llmenvs.transport.fast_lane
 waiting at most ``inline_wait_s``. Envs implementing OpenEnv's ``reset_async`` /
 ``step_async`` are awaited directly. Every call is bounded by ``env_step_timeout_s``; a call
 that outlives it, or raises a ``BaseException`` that is no ``Exception``, is a
-:class:`Discard`: its session ends, the server goes on.
+:class:`Discard`: its session ends, the server goes on, and a thread stands in for the one
+the hung call holds (:class:`~agile_llmenvs.transport.env_threads.EnvThreads`).
 """
 
 from __future__ import annotations
@@ -16,16 +17,16 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from agile_llmenvs.transport._openenv import Environment
 from agile_llmenvs.transport.calls import CallPolicy
+from agile_llmenvs.transport.env_threads import EnvThreads
 from agile_llmenvs.transport.fast_lane import FastLane, LaneBatcher
 
 if TYPE_CHECKING:
-    from agile_llmenvs.transport.sessions import ServerSettings
+    from agile_llmenvs.transport.settings import ServerSettings
 
 __all__ = ["Discard", "EnvCallTimeout", "EnvCalls", "result"]
 
@@ -38,21 +39,22 @@ class EnvCalls:
     Args:
         settings: The server's settings (``env_calls``, ``inline_wait_s``,
             ``env_step_timeout_s``).
-        threads: Threads of the pool.
+        threads: Threads of the pool (and, twice that, hung calls whose threads are
+            replaced).
         sessions: How many sessions are live (a lone session's call goes to the lane at once).
     """
 
     def __init__(self, settings: ServerSettings, threads: int, sessions: Callable[[], int]) -> None:
         self.settings = settings
         self.sessions = sessions
-        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="env-session")
+        self.threads = EnvThreads(threads, max_hung=2 * threads)
         self.policy = CallPolicy(settings.env_calls)
         self.lane = FastLane()
         self.batcher = LaneBatcher(self.lane, settings.inline_wait_s)
 
     def close(self) -> None:
-        """Stop the pool (queued calls cancelled) and the lane; running calls finish."""
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        """Stop the pool and the lane; running calls finish in their (daemon) threads."""
+        self.threads.close()
         self.lane.close()
 
     async def call(self, env: Environment, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -83,24 +85,35 @@ class EnvCalls:
                     return result(job.result)
                 return await self.settle(job.future(asyncio.get_running_loop()), what)
             wait = 0.0  # the lane never started it: the thread pool runs it
-        future = self.executor.submit(call)
+        future = self.threads.submit(call)
         if wait > 0:
             concurrent.futures.wait((future,), timeout=wait)
         if future.done():
             return result(future.result)
-        return await self.settle(asyncio.wrap_future(future), what)
+        return await self.settle(asyncio.wrap_future(future), what, future)
 
-    async def call_bounded(self, call: Callable[[], Any]) -> Any:
-        """``call()`` in the thread pool, bounded like an env call (the factory, close)."""
-        future = asyncio.get_running_loop().run_in_executor(self.executor, call)
-        return await self.settle(future, getattr(call, "__name__", "env call"))
+    async def call_bounded(self, call: Callable[[], Any], what: str | None = None) -> Any:
+        """``call()`` in the thread pool, bounded like an env call (the factory, ``state``,
+        ``get_metadata``, close)."""
+        future = self.threads.submit(call)
+        what = what or str(getattr(call, "__name__", "env call"))
+        return await self.settle(asyncio.wrap_future(future), what, future)
 
-    async def settle(self, future: asyncio.Future[Any], what: str) -> Any:
-        """The result of an env call's future, waited for at most ``env_step_timeout_s``."""
+    async def settle(
+        self,
+        future: asyncio.Future[Any],
+        what: str,
+        thread_call: concurrent.futures.Future[Any] | None = None,
+    ) -> Any:
+        """The result of an env call's future, waited for at most ``env_step_timeout_s``
+        (``thread_call``: the pool's future of that call, whose thread a new one replaces
+        when it does not return in time)."""
         timeout = self.settings.env_step_timeout_s
         done, _ = await asyncio.wait((future,), timeout=timeout)
         if not done:
             future.cancel()  # an async env stops; a thread cannot be stopped from outside
+            if thread_call is not None:
+                self.threads.mark_hung(thread_call, what)
             raise Discard(
                 EnvCallTimeout(
                     f"the env's {what} took longer than env_step_timeout_s={timeout:g} s; "

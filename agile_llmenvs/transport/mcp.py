@@ -28,6 +28,7 @@ from agile_llmenvs.transport._openenv import (
 __all__ = ["mcp_error", "mcp_reply", "parse_rpc"]
 
 Step = Callable[[Any], Awaitable[Any]]
+Run = Callable[[Callable[[], Any]], Awaitable[Any]]
 
 
 def parse_rpc(payload: Any) -> tuple[Any, dict[str, Any] | None]:
@@ -50,7 +51,7 @@ def _ok(result: Any, request_id: Any) -> dict[str, Any]:
 
 
 async def mcp_reply(
-    env: Any, action_cls: type, request: Any, step: Step, *, in_session: bool
+    env: Any, action_cls: type, request: Any, step: Step, *, in_session: bool, run: Run
 ) -> dict[str, Any]:
     """The reply to a ``tools/list`` or ``tools/call`` request for ``env``.
 
@@ -60,6 +61,7 @@ async def mcp_reply(
         request: The parsed JSON-RPC request.
         step: Runs one ``env.step(action)`` where the server runs env calls.
         in_session: Whether ``env`` lives in a session (its MCP client may be connected).
+        run: Runs a sync tool function off the event loop, bounded like any env call.
     """
     rid = request.id
     method, params = request.method, request.params
@@ -71,7 +73,7 @@ async def mcp_reply(
             if not name:
                 return mcp_error(JsonRpcErrorCode.INVALID_PARAMS, "Missing 'name' in params", rid)
             arguments = params.get("arguments", {})
-            return await _call_tool(env, action_cls, step, rid, name, arguments, in_session)
+            return await _call_tool(env, action_cls, step, run, rid, name, arguments, in_session)
         return mcp_error(JsonRpcErrorCode.METHOD_NOT_FOUND, f"Method not found: {method}", rid)
     except Exception as exc:
         return mcp_error(JsonRpcErrorCode.INTERNAL_ERROR, str(exc), rid)
@@ -111,6 +113,7 @@ async def _call_tool(
     env: Any,
     action_cls: type,
     step: Step,
+    run: Run,
     rid: Any,
     name: str,
     arguments: dict[str, Any],
@@ -126,7 +129,11 @@ async def _call_tool(
         tools = _server_tools(server)
         if name not in tools:
             return mcp_error(JsonRpcErrorCode.INVALID_PARAMS, f"Tool not found: {name}", rid)
-        result = tools[name].fn(**arguments)
+        function = tools[name].fn
+        if inspect.iscoroutinefunction(function):
+            result = await function(**arguments)
+        else:  # env code: off the event loop
+            result = await run(lambda: function(**arguments))
         if inspect.isawaitable(result):
             result = await result
         return _ok(_plain(result), rid)

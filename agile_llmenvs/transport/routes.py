@@ -4,7 +4,8 @@
 a fresh env that is closed afterwards: episodes persist only over ``/ws``, as in OpenEnv) and
 ``POST /mcp`` (MCP JSON-RPC, plus OpenEnv's ``openenv/session/create`` / ``close``, whose
 sessions a ``/ws?session_id=...`` connection attaches to: how OpenEnv's ``MCPToolClient``
-works). ``GET /sessions`` (live and allowed sessions) is ours.
+works). ``GET /sessions`` (live and allowed sessions) is ours. Every env these routes build
+takes a slot of the server's one capacity; when it is full they answer 503.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from agile_llmenvs.transport.protocol import strict_json_loads, validation_error
 if TYPE_CHECKING:
     from agile_llmenvs.transport.sessions import SessionHost
 
-__all__ = ["HttpRoutes", "McpSession"]
+__all__ = ["AtCapacity", "HttpRoutes", "McpSession"]
 
 _NOT_FOUND = HttpResponse(404, {"detail": "Not Found"})
 _METHOD_NOT_ALLOWED = HttpResponse(405, {"detail": "Method Not Allowed"})
@@ -74,8 +75,17 @@ class HttpRoutes:
 
     async def get(self, path: str) -> HttpResponse:
         """The answer to ``GET path`` (any path but ``/ws``)."""
+        try:
+            return await self._get(path)
+        except AtCapacity as full:
+            return HttpResponse(503, {"detail": str(full)})
+
+    async def _get(self, path: str) -> HttpResponse:
         host = self.host
         if path == "/health":
+            exhausted = host.env_calls.threads.exhausted
+            if exhausted is not None:  # a supervisor restarts it
+                return HttpResponse(503, {"status": "unhealthy", "reason": exhausted})
             return HttpResponse(200, {"status": "healthy"})
         if path == "/sessions":
             return HttpResponse(
@@ -91,13 +101,13 @@ class HttpRoutes:
             return HttpResponse(200, types.schema())
         if path == "/metadata":
             if self._metadata is None:
-                metadata = await self._with_fresh_env(lambda env: env.get_metadata())
+                metadata = await self._with_fresh_env(host.metadata)
                 self._metadata = metadata.model_dump(mode="json")
             return HttpResponse(200, self._metadata)
         if path == "/state":
             if not host.owns_envs:
                 return _SHARED
-            state = await self._with_fresh_env(lambda env: env.state)
+            state = await self._with_fresh_env(host.state)
             return HttpResponse(200, state.model_dump(mode="json"))
         return _METHOD_NOT_ALLOWED if path in _POST_PATHS else _NOT_FOUND
 
@@ -114,7 +124,10 @@ class HttpRoutes:
             return _METHOD_NOT_ALLOWED
         if not self.host.owns_envs and path != "/mcp":
             return _SHARED
-        return await answer(request)
+        try:
+            return await answer(request)
+        except AtCapacity as full:
+            return HttpResponse(503, {"detail": str(full)})
 
     async def _reset(self, request: HttpRequest) -> HttpResponse:
         reset = _body_model(request, ResetRequest, default={})
@@ -123,6 +136,8 @@ class HttpRoutes:
         kwargs = reset.model_dump(exclude_unset=True)
         try:
             observation = await self._with_fresh_env(lambda env: self.host.reset(env, kwargs))
+        except AtCapacity:
+            raise
         except Exception:
             return SERVER_ERROR
         return HttpResponse(200, _response(ResetResponse, observation))
@@ -139,6 +154,8 @@ class HttpRoutes:
             return HttpResponse(422, {"detail": validation_errors(exc)})
         try:
             observation = await self._with_fresh_env(lambda env: host.step(env, action))
+        except AtCapacity:
+            raise
         except Exception:
             return SERVER_ERROR
         return HttpResponse(200, _response(StepResponse, observation))
@@ -165,9 +182,7 @@ class HttpRoutes:
             return await self._create_session(rid)
         if request.method == "openenv/session/close":
             return await self._close_session(params.get("session_id"), session_id, rid)
-        host = self.host
         wanted = params.get("session_id")
-        temporary = False
         if env is None and wanted:
             session = self.sessions.get(wanted)
             if session is None:
@@ -176,48 +191,51 @@ class HttpRoutes:
                 )
             session.last_used = time.monotonic()
             env = session.env
-        elif env is None:
+        elif env is None:  # a one-off env, as for /reset
             try:
-                env = await host.build_env()
+                return await self._with_fresh_env(
+                    lambda fresh: self._mcp_reply(request, fresh, in_session=False)
+                )
+            except AtCapacity as full:
+                return mcp_error(JsonRpcErrorCode.SERVER_ERROR, str(full), rid)
             except Exception as exc:
                 return mcp_error(JsonRpcErrorCode.INTERNAL_ERROR, str(exc), rid)
-            temporary = True
-        try:
-            types = host.types or host.types_of(env)
-            return await mcp_reply(
-                env,
-                types.action,
-                request,
-                lambda action: host.step(env, action),
-                in_session=not temporary,
-            )
-        finally:
-            if temporary:
-                await host.close_env(env)
+        return await self._mcp_reply(request, env, in_session=True)
+
+    async def _mcp_reply(self, request: Any, env: Any, *, in_session: bool) -> Any:
+        host = self.host
+        types = host.types or host.types_of(env)
+        return await mcp_reply(
+            env,
+            types.action,
+            request,
+            lambda action: host.step(env, action),
+            in_session=in_session,
+            run=lambda call: host.env_calls.call_bounded(call, "call_tool"),
+        )
 
     async def _create_session(self, rid: Any) -> Any:
         host = self.host
-        await self._reap_idle()
-        if host.max_sessions is not None and host.active_sessions >= host.max_sessions:
+        await self.reap_idle()
+        if not await host.take_slot():
             return mcp_error(
                 JsonRpcErrorCode.SERVER_ERROR,
-                f"Server at capacity ({host.active_sessions}/{host.max_sessions} sessions)",
+                host.capacity_message(),
                 rid,
                 data={"active_sessions": host.active_sessions, "max_sessions": host.max_sessions},
             )
-        host.active_sessions += 1
         try:
             env = await host.build_env()
         except Exception as exc:
-            host.active_sessions -= 1
+            host.free_slot()
             return mcp_error(JsonRpcErrorCode.SERVER_ERROR, f"env factory failed: {exc}", rid)
         stack = AsyncExitStack()
         try:
             await open_mcp_session(env, stack)
         except Exception as exc:
-            host.active_sessions -= 1
             await stack.aclose()
             await host.close_env(env)
+            host.free_slot()
             return mcp_error(JsonRpcErrorCode.SERVER_ERROR, str(exc), rid)
         session_id = str(uuid.uuid4())
         self.sessions[session_id] = McpSession(env, stack)
@@ -273,19 +291,21 @@ class HttpRoutes:
         session = self.sessions.pop(session_id, None)
         if session is None:
             return
-        self.host.active_sessions -= 1
-        with contextlib.suppress(Exception):
-            await session.stack.aclose()
-        await self.host.close_env(session.env)
+        try:
+            with contextlib.suppress(Exception):
+                await session.stack.aclose()
+            await self.host.close_env(session.env)
+        finally:
+            self.host.free_slot()
 
     async def close_all(self) -> None:
         """Close every HTTP-made session (the server is stopping)."""
         for session_id in list(self.sessions):
             await self.end_session(session_id)
 
-    async def _reap_idle(self) -> None:
-        """End sessions no connection has used for ``session_idle_timeout_s``."""
-        idle = self.host.settings.session_idle_timeout_s
+    async def reap_idle(self) -> None:
+        """End sessions no connection has used for ``mcp_session_idle_timeout_s``."""
+        idle = self.host.settings.mcp_session_idle_timeout_s
         if idle is None:
             return
         now = time.monotonic()
@@ -296,14 +316,31 @@ class HttpRoutes:
     # -- helpers -----------------------------------------------------------------------------
 
     async def _with_fresh_env(self, use: Callable[[Any], Any]) -> Any:
-        """``use(env)`` (awaited, when it returns an awaitable) on a fresh env, closed after."""
+        """``use(env)`` (awaited, when it returns an awaitable) on a fresh env, closed after.
+
+        Raises:
+            AtCapacity: every slot holds a live env (a shared env takes none).
+        """
         host = self.host
-        env = await host.build_env()
+        if host.owns_envs and not await host.take_slot():
+            raise AtCapacity(
+                f"{host.capacity_message()}: every slot holds a live env; retry later, or "
+                "serve with a larger max_concurrent_envs"
+            )
         try:
-            value = use(env)
-            return await value if inspect.isawaitable(value) else value
+            env = await host.build_env()
+            try:
+                value = use(env)
+                return await value if inspect.isawaitable(value) else value
+            finally:
+                await host.close_env(env)
         finally:
-            await host.close_env(env)
+            if host.owns_envs:
+                host.free_slot()
+
+
+class AtCapacity(Exception):
+    """Every slot of the server's capacity holds a live env (answered with HTTP 503)."""
 
 
 async def open_mcp_session(env: Any, stack: AsyncExitStack) -> None:

@@ -17,7 +17,8 @@ from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.transport._openenv import Environment
 from agile_llmenvs.transport.env_types import EnvTypes, infer_env_types
 from agile_llmenvs.transport.http import routing_connection
-from agile_llmenvs.transport.sessions import ServerSettings, SessionHost
+from agile_llmenvs.transport.sessions import SessionHost
+from agile_llmenvs.transport.settings import ServerSettings
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
 
 __all__ = ["DEFAULT_MAX_SESSIONS", "OpenEnvServer", "ServerSettings"]

@@ -15,7 +15,6 @@ import inspect
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -27,7 +26,6 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from agile_llmenvs.transport._openenv import Environment, deserialize_action
-from agile_llmenvs.transport.calls import CallMode
 from agile_llmenvs.transport.env_calls import Discard, EnvCalls
 from agile_llmenvs.transport.env_types import EnvTypes, infer_env_types
 from agile_llmenvs.transport.http import SERVER_ERROR, HttpRequest, HttpResponse
@@ -43,6 +41,7 @@ from agile_llmenvs.transport.protocol import (
     validation_errors,
 )
 from agile_llmenvs.transport.routes import HttpRoutes, open_mcp_session
+from agile_llmenvs.transport.settings import ServerSettings
 from agile_llmenvs.transport.types import TextAction
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
 
@@ -51,63 +50,18 @@ __all__ = ["ServerSettings", "SessionHost"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ServerSettings:
-    """Settings of an env server beyond what to serve and where.
-
-    Attributes:
-        session_idle_timeout_s: A session that sends nothing for this long is closed (None:
-            never). Long, so slow generations are safe; half-open peers are found sooner by
-            the keep-alive ping.
-        ws_ping_interval_s: Seconds between keep-alive pings (None: no pings).
-        ws_ping_timeout_s: A peer that does not answer a ping within this is dropped.
-        max_message_bytes: Larger frames get a ``MESSAGE_TOO_LARGE`` error reply; frames over
-            4x this close the connection (code 1009).
-        executor_threads: Threads running sync env calls (None: one per session, up to 256).
-        env_calls: Where sync env calls run: ``auto`` (in the thread pool; once an env class
-            has shown its calls are fast, its calls of one event-loop iteration go together
-            to one worker thread and the loop waits up to ``inline_wait_s`` for them before
-            it goes on with other sessions; see :mod:`~agile_llmenvs.transport.calls` and
-            :mod:`~agile_llmenvs.transport.fast_lane`), ``thread`` (the loop never waits) or
-            ``inline`` (on the event loop itself: one slow call stalls every session and no
-            ``env_step_timeout_s`` can stop it).
-        inline_wait_s: Most seconds the event loop waits for one batch of env calls in
-            ``auto`` mode: the most one session's env call delays the others.
-        env_step_timeout_s: Most seconds any env call (reset, step, state) may take; a
-            slower one fails with an ``EXECUTION_ERROR`` reply and its session is closed,
-            its env discarded (None: no bound). The worker thread stays busy until the call
-            returns: a thread cannot be stopped from outside.
-        first_message_timeout_s: A connection that sends no message within this is closed
-            (None: never). Envs are built at the first message, so an idle handshake costs
-            no env.
-    """
-
-    session_idle_timeout_s: float | None = 1800.0
-    ws_ping_interval_s: float | None = 20.0
-    ws_ping_timeout_s: float | None = 20.0
-    max_message_bytes: int = 8 * 1024 * 1024
-    executor_threads: int | None = None
-    env_calls: CallMode = "auto"
-    inline_wait_s: float = 0.002
-    env_step_timeout_s: float | None = 600.0
-    first_message_timeout_s: float | None = 30.0
-
-    def __post_init__(self) -> None:
-        for name in ("env_step_timeout_s", "first_message_timeout_s", "session_idle_timeout_s"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0 or None, got {value}")
-        if not self.inline_wait_s >= 0:
-            raise ValueError(f"inline_wait_s must be >= 0, got {self.inline_wait_s}")
-
-
 class SessionHost:
     """Runs ``/ws`` sessions, and answers the HTTP routes (:class:`HttpRoutes`).
+
+    One capacity covers everything that builds an env: a ``/ws`` session from its first
+    valid message to its env's close, an MCP session made over HTTP, and each HTTP call that
+    needs an env of its own (``/reset``, ``/step``, ...). When it is full, a new one is
+    refused at once (``CAPACITY_REACHED``, HTTP 503), after idle MCP sessions are reaped.
 
     Args:
         make_env: Builds the OpenEnv ``Environment`` of one session.
         env_name: Name reported by ``/sessions``.
-        max_sessions: Live sessions allowed at once (None: unlimited).
+        max_sessions: Live envs allowed at once (None: unlimited).
         token: Shared secret a client must present (``Authorization: Bearer``, or ``?token=``)
             on every route but ``/health``.
         settings: Timeouts and limits.
@@ -217,33 +171,122 @@ class SessionHost:
         """``env.step(action)`` where the call policy runs env calls."""
         return await self.env_calls.call(env, "step", action)
 
+    async def state(self, env: Environment) -> Any:
+        """``env.state`` in the thread pool, bounded like any env call."""
+        return await self.env_calls.call_bounded(lambda: env.state, "state")
+
+    async def metadata(self, env: Environment) -> Any:
+        """``env.get_metadata()`` in the thread pool, bounded like any env call."""
+        return await self.env_calls.call_bounded(env.get_metadata, "get_metadata")
+
+    # -- capacity ----------------------------------------------------------------------------
+
+    def full(self) -> bool:
+        """Whether every slot holds a live env."""
+        return self.max_sessions is not None and self.active_sessions >= self.max_sessions
+
+    async def take_slot(self) -> bool:
+        """Take a slot for an env about to be built (idle MCP sessions are reaped first
+        when there is none); False when the server is at capacity."""
+        if self.full():
+            await self.routes.reap_idle()
+            if self.full():
+                return False
+        self.active_sessions += 1
+        return True
+
+    def free_slot(self) -> None:
+        """Give back a slot whose env is closed (or was never built)."""
+        self.active_sessions -= 1
+
+    def capacity_message(self) -> str:
+        """Why a new session is refused (OpenEnv's words)."""
+        return f"Server at capacity ({self.active_sessions}/{self.max_sessions} sessions)"
+
+    async def _refuse(self, ws: ServerConnection) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await ws.send(
+                error_frame(
+                    ErrorCode.CAPACITY_REACHED,
+                    self.capacity_message(),
+                    active_sessions=self.active_sessions,
+                    max_sessions=self.max_sessions,
+                )
+            )
+            await ws.close(1013, "at capacity")
+
     # -- sessions ----------------------------------------------------------------------------
 
     async def handle(self, ws: ServerConnection) -> None:
-        """Serve one connection: one env, from its first message to its close."""
+        """Serve one connection: one env, from its first valid message to its close."""
         path = ws.request.path if ws.request is not None else ""
         session_id = parse_qs(urlsplit(path).query).get("session_id", [""])[0]
         if session_id:  # a session made over HTTP (OpenEnv's MCPToolClient): counted already
             await self._attached_session(ws, session_id)
             return
-        if self.max_sessions is not None and self.active_sessions >= self.max_sessions:
-            message = f"Server at capacity ({self.active_sessions}/{self.max_sessions} sessions)"
-            with contextlib.suppress(ConnectionClosed):
-                await ws.send(
-                    error_frame(
-                        ErrorCode.CAPACITY_REACHED,
-                        message,
-                        active_sessions=self.active_sessions,
-                        max_sessions=self.max_sessions,
-                    )
-                )
-                await ws.close(1013, "at capacity")
+        if self.full():  # told right after the handshake, as OpenEnv does
+            await self.routes.reap_idle()
+            if self.full():
+                await self._refuse(ws)
+                return
+        first = await self._first_message(ws)
+        if first is None:
             return
-        self.active_sessions += 1
+        if not await self.take_slot():
+            await self._refuse(ws)
+            return
         try:
-            await self._session(ws)
+            await self._session(ws, first)
         finally:
-            self.active_sessions -= 1
+            self.free_slot()
+
+    async def _first_message(self, ws: ServerConnection) -> Any:
+        """The connection's first valid message (invalid ones are answered with their
+        error); None once it closes, sends ``close``, or sends nothing valid within
+        ``first_message_timeout_s`` (closed with 1008)."""
+        timeout = self.settings.first_message_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            left = None if deadline is None else max(deadline - loop.time(), 0.0)
+            try:
+                message = await asyncio.wait_for(ws.recv(), left)
+            except TimeoutError:
+                with contextlib.suppress(ConnectionClosed):
+                    await ws.close(1008, "no valid message within first_message_timeout_s")
+                return None
+            except ConnectionClosed:
+                return None
+            error = self._invalid(message)
+            if error is None:
+                return message
+            if error == "close":
+                with contextlib.suppress(ConnectionClosed):
+                    await ws.close(1000)
+                return None
+            try:
+                await ws.send(error)
+            except ConnectionClosed:
+                return None
+
+    def _invalid(self, message: Any) -> str | None:
+        """The error reply to a message no env needs to see (``close`` for a close
+        message), or None for a message that needs an env."""
+        if not isinstance(message, str):
+            return error_frame(
+                ErrorCode.VALIDATION_ERROR, "Binary frames are not supported; send JSON text"
+            )
+        limit = self.settings.max_message_bytes
+        if len(message) > limit:
+            return error_frame(
+                ErrorCode.MESSAGE_TOO_LARGE,
+                f"Message of {len(message)} bytes exceeds the server's limit of {limit}",
+            )
+        try:
+            kind, _ = parse_message(message)
+        except WireError as exc:
+            return error_frame(exc.code, str(exc), **exc.extra)
+        return "close" if kind == "close" else None
 
     async def _attached_session(self, ws: ServerConnection, session_id: str) -> None:
         try:
@@ -260,15 +303,7 @@ class SessionHost:
         finally:
             await self.routes.detach(session_id)
 
-    async def _session(self, ws: ServerConnection) -> None:
-        try:
-            first = await asyncio.wait_for(ws.recv(), self.settings.first_message_timeout_s)
-        except TimeoutError:
-            with contextlib.suppress(ConnectionClosed):
-                await ws.close(1008, "no message within first_message_timeout_s")
-            return
-        except ConnectionClosed:
-            return
+    async def _session(self, ws: ServerConnection, first: str) -> None:
         try:
             env = await self.env_calls.call_bounded(self.make_env)
         except (Exception, Discard) as exc:
@@ -342,8 +377,8 @@ class SessionHost:
             kind, data = parse_message(text)
             if kind == "close":
                 return None
-            if kind == "state":
-                return state_frame(env.state)
+            if kind == "state":  # a property, yet env code: off the loop and bounded
+                return state_frame(await self.state(env))
             if kind == "reset":
                 observation = await self.env_calls.call(env, "reset", **_reset_kwargs(env, data))
             elif kind == "mcp":

@@ -153,7 +153,7 @@ def test_mcp_sessions_count_against_capacity_and_close_when_their_socket_leaves(
 
 
 def test_an_unused_mcp_session_is_reaped_after_the_idle_timeout() -> None:
-    settings = ServerSettings(session_idle_timeout_s=0.2)
+    settings = ServerSettings(mcp_session_idle_timeout_s=0.2)
     with OpenEnvServer(
         make_env=make_tools_environment,
         action_cls=CallToolAction,

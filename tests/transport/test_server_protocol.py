@@ -233,7 +233,10 @@ def test_half_open_peers_are_reaped_and_capacity_recovers() -> None:
             b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
             b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
         )
-        assert silent.recv(4096).startswith(b"HTTP/1.1 101")  # then it never reads again
+        assert silent.recv(4096).startswith(b"HTTP/1.1 101")
+        payload, mask = b'{"type": "reset"}', b"\x01\x02\x03\x04"  # a slot comes with an env
+        masked = bytes(byte ^ mask[i % 4] for i, byte in enumerate(payload))
+        silent.sendall(bytes([0x81, 0x80 | len(payload)]) + mask + masked)  # then it goes silent
         time.sleep(0.1)
         assert server.active_sessions == 1
         deadline = time.monotonic() + 5

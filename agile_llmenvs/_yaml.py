@@ -6,6 +6,9 @@ values in whatever walks them: validation, ``dump_manifest``, an env's ``env_con
 loader measures the document as it would be expanded, once it is composed and before any
 object is built, and refuses one whose aliases add more than :data:`MAX_ALIAS_EXPANSION`
 nodes (or that contains itself).
+
+The parser is libyaml's where PyYAML has it: the pure-Python one took 2 s to load a 1 MB
+manifest of an inline list, 8 s for 3.8 MB; libyaml's takes a fifth of that.
 """
 
 from __future__ import annotations
@@ -13,6 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
+
+try:
+    from yaml import CSafeLoader as _SafeLoader
+except ImportError:  # pragma: no cover - PyYAML built without libyaml
+    from yaml import SafeLoader as _SafeLoader  # type: ignore[assignment]
 
 __all__ = ["MAX_ALIAS_EXPANSION", "AliasExpansionError", "BoundedSafeLoader", "safe_load"]
 
@@ -26,19 +34,28 @@ class AliasExpansionError(yaml.YAMLError):
     refer to a node from inside itself."""
 
 
-class BoundedSafeLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses documents whose aliases expand them too far.
+class BoundedSafeLoader(_SafeLoader):
+    """``yaml.SafeLoader`` (libyaml's, where PyYAML has it) that refuses documents whose
+    aliases expand them too far.
 
     Raises:
         AliasExpansionError: (from ``yaml.load``) the aliases add more than
             :data:`MAX_ALIAS_EXPANSION` nodes, or an alias sits inside its own anchor.
     """
 
-    def compose_document(self) -> yaml.Node | None:
-        node = super().compose_document()
-        if node is not None:
-            _check_expansion(node)
-        return node
+    # both of the composer's entry points (``load`` and ``load_all``): libyaml's parser
+    # composes a document in C, where an override of ``compose_document`` is never called
+    def get_single_node(self) -> yaml.Node | None:
+        return _checked(super().get_single_node())
+
+    def get_node(self) -> yaml.Node | None:
+        return _checked(super().get_node())
+
+
+def _checked(node: yaml.Node | None) -> yaml.Node | None:
+    if node is not None:
+        _check_expansion(node)
+    return node
 
 
 def safe_load(text: str) -> Any:

@@ -219,4 +219,5 @@ class LogitTransformError(AgileLLMEnvsError, TypeError):
 
 
 class CheckpointError(AgileLLMEnvsError):
-    """A run cannot resume: no checkpoint, or one saved by another setup."""
+    """A run cannot resume (no checkpoint, or one saved by another setup), its folder is in
+    use by another run, or its files could not be written (the disk full)."""

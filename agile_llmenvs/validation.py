@@ -37,6 +37,7 @@ from agile_llmenvs.specs import (
     TrainingSpec,
 )
 from agile_llmenvs.specs.llm import HOSTING_FIELDS, ROW_FIELDS
+from agile_llmenvs.specs.manifest import size_refusal
 
 __all__ = [
     "Problem",
@@ -203,6 +204,9 @@ def describe_manifest(manifest: RunManifest) -> str:
 
 
 def _read(path: Path) -> Any:
+    refusal = size_refusal(path)  # before it is parsed: that alone takes seconds
+    if refusal is not None:
+        raise ManifestError(refusal)
     text = path.read_text(encoding="utf-8")
     suffix = path.suffix.lower()
     try:

@@ -7,6 +7,7 @@ own request.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -200,3 +201,24 @@ class HostileEnv(EchoEnv):
         if action == "interrupt":
             raise KeyboardInterrupt
         return super().step(action)
+
+
+class NonFiniteRewardEnv:
+    """A single-turn env whose episodes score NaN, infinity, 1.0, NaN, ... (counted per
+    instance, so a group mixes them)."""
+
+    max_turns = 1
+
+    def __init__(self) -> None:
+        self.episodes = 0
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> tuple[str, dict[str, Any]]:
+        self.episodes += 1
+        return "Say a digit.", {}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        reward = (1.0, math.nan, math.inf)[self.episodes % 3]
+        return "", reward, True, False, {}
+
+    def close(self) -> None:
+        pass

@@ -17,6 +17,7 @@ from agile_llmenvs.specs.env import BanditEnvSpec, GymEnvSpec, OfflineEnvSpec, f
 from agile_llmenvs.specs.llm import LLMEnvSpec
 
 __all__ = [
+    "MAX_MANIFEST_BYTES",
     "EnvSpec",
     "LoRASpec",
     "ModelSpec",
@@ -28,7 +29,13 @@ __all__ = [
     "dump_manifest",
     "load_manifest",
     "manifest_json_schema",
+    "size_refusal",
 ]
+
+#: The largest manifest file :func:`load_manifest` reads: it is settings, not data (a run's data
+#: lives in the files its manifest names), and a many-megabyte document costs seconds and
+#: hundreds of megabytes to parse before anything can be said about it.
+MAX_MANIFEST_BYTES = 1024 * 1024
 
 EnvSpec = Annotated[
     GymEnvSpec | OfflineEnvSpec | LLMEnvSpec | BanditEnvSpec,
@@ -494,10 +501,14 @@ def load_manifest(path: str | Path) -> RunManifest:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ManifestError: the file is not valid YAML/JSON, or has another extension.
+        ManifestError: the file is larger than :data:`MAX_MANIFEST_BYTES` (refused before it
+            is read), not valid YAML/JSON, or has another extension.
         pydantic.ValidationError: the content breaks a rule; the error names the field.
     """
     path = Path(path)
+    refusal = size_refusal(path)
+    if refusal is not None:
+        raise ManifestError(f"{path}: {refusal}")
     text = path.read_text(encoding="utf-8")
     suffix = path.suffix.lower()
     try:
@@ -511,6 +522,19 @@ def load_manifest(path: str | Path) -> RunManifest:
         raise ManifestError(f"{path}: not valid {suffix[1:].upper()}: {exc}") from exc
     manifest = RunManifest.model_validate(data)
     return _resolve_relative_paths(manifest, path.parent)
+
+
+def size_refusal(path: Path) -> str | None:
+    """Why the file at ``path`` is refused unread: it is larger than
+    :data:`MAX_MANIFEST_BYTES` (None when it is not)."""
+    size = path.stat().st_size
+    if size <= MAX_MANIFEST_BYTES:
+        return None
+    return (
+        f"the manifest is {size:,} bytes, more than the limit of {MAX_MANIFEST_BYTES:,} "
+        "(MAX_MANIFEST_BYTES); keep data out of it, in a file it names (a dataset_path, an "
+        "env_config file)"
+    )
 
 
 def dump_manifest(manifest: RunManifest, path: str | Path) -> None:

@@ -6,11 +6,13 @@ disk, writes ``manifest.json`` (each file with its size) last, and only then ren
 folder to ``checkpoint-<step>/``; older checkpoints beyond ``keep`` are pruned after that. A
 kill at any moment leaves the previous checkpoint intact and at worst a ``.partial`` folder,
 which resuming reports and ignores, as it does a published folder whose files no longer
-match its manifest.
+match its manifest. A save the disk has no room for removes its ``.partial`` folder and says
+so (:func:`disk_full_error`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -31,6 +33,7 @@ from agile_llmenvs.training.sharding import is_sharded
 __all__ = [
     "CHECKPOINT_PREFIX",
     "Checkpoint",
+    "disk_full_error",
     "find_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
@@ -47,6 +50,7 @@ _WEIGHTS_FILE = "model.safetensors"
 _WEIGHTS_INDEX = "model.safetensors.index.json"
 _ADAPTER_FILE = "adapter_model.safetensors"
 _NAME = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 @dataclass(frozen=True)
@@ -87,9 +91,55 @@ def save_checkpoint(
 
     Returns:
         The published ``checkpoint-<step>`` folder.
+
+    Raises:
+        CheckpointError: the disk is full (or over quota); the partial checkpoint is removed,
+            the previous complete one left as it was.
     """
     final = output_dir / f"{CHECKPOINT_PREFIX}{step}"
     partial = final.with_name(final.name + _PARTIAL)
+    try:
+        _save(partial, final, step, accelerator, model, optimizer, tokenizer, rank_state, scheduler)
+    except OSError as exc:
+        error = disk_full_error(exc, output_dir, f"saving {final.name}")
+        if error is None:
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
+        raise error from exc
+    if accelerator.is_main_process and keep is not None:
+        _prune(output_dir, keep)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def disk_full_error(exc: OSError, folder: Path, doing: str) -> CheckpointError | None:
+    """The error to raise for ``exc`` if it says the disk under ``folder`` is full or over
+    quota (None for any other ``OSError``): it names the folder and the bytes free there."""
+    if exc.errno not in _DISK_FULL:
+        return None
+    try:
+        free = f"{shutil.disk_usage(folder).free:,} bytes free"
+    except OSError:
+        free = "free space unknown"
+    why = "the disk is full" if exc.errno == errno.ENOSPC else "the disk quota is used up"
+    return CheckpointError(
+        f"{doing} in {folder} failed: {why} ({free} there). Free some space (or keep fewer "
+        "checkpoints with training.keep_checkpoints), then continue the run with --resume"
+    )
+
+
+def _save(
+    partial: Path,
+    final: Path,
+    step: int,
+    accelerator: Any,
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    tokenizer: Any,
+    rank_state: Mapping[str, Any],
+    scheduler: Any,
+) -> None:
+    """Write ``partial`` on every rank, then publish it as ``final``."""
     main = accelerator.is_main_process
     accelerator.wait_for_everyone()
     if main:
@@ -109,10 +159,6 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
     if main:
         _publish(partial, final, step=step, world_size=accelerator.num_processes)
-        if keep is not None:
-            _prune(output_dir, keep)
-    accelerator.wait_for_everyone()
-    return final
 
 
 def find_checkpoint(output_dir: Path, *, report: bool = True) -> Checkpoint | None:
@@ -200,8 +246,12 @@ def _full_state(model: Any, optimizer: torch.optim.Optimizer) -> tuple[Any, dict
 
 
 def _save_synced(obj: Any, path: Path) -> None:
-    torch.save(obj, path)
-    _fsync(path)
+    # into a file of ours: torch.save given a path turns a failed write (a full disk) into a
+    # RuntimeError that names no cause; through a Python file the OSError comes as it is
+    with path.open("wb") as file:
+        torch.save(obj, file)
+        file.flush()
+        os.fsync(file.fileno())
 
 
 def _fsync(path: Path) -> None:

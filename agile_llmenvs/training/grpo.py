@@ -40,7 +40,7 @@ from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
 from agile_llmenvs.training.policy_batch import PolicyBatch, build_policy_batch
 from agile_llmenvs.training.progress import Progress
 from agile_llmenvs.training.rollout_log import ROLLOUTS_FILE, RolloutLog
-from agile_llmenvs.training.run_folder import plan_run, start_run
+from agile_llmenvs.training.run_folder import RunPlan, plan_run, start_run
 
 __all__ = ["GRPO_METRICS", "PolicyBatch", "build_policy_batch", "train_grpo"]
 
@@ -98,8 +98,16 @@ def train_grpo(
         OptionalDependencyError: ``training.lora`` without ``peft``, or
             ``generation_backend: vllm`` without ``vllm``.
     """
-    config = training_spec(manifest)
     plan = plan_run(manifest, resume=resume, overwrite=overwrite)
+    try:
+        return _run(manifest, plan, resume)
+    finally:
+        plan.release()
+
+
+def _run(manifest: RunManifest, plan: RunPlan, resume: bool) -> TrainResult:
+    """:func:`train_grpo` in the folder ``plan`` holds."""
+    config = training_spec(manifest)
     if plan.complete:
         return plan.complete_result()
     output_dir = plan.output_dir

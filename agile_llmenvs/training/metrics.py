@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from agile_llmenvs.errors import OptionalDependencyError
+from agile_llmenvs.training.checkpoint import disk_full_error
 
 __all__ = [
     "TENSORBOARD_DIR",
@@ -65,9 +66,19 @@ class MetricsWriter:
 
     def write(self, row: Mapping[str, float]) -> None:
         """Append ``row`` (every key of the header, nothing else); a NaN (a metric this step
-        does not have, such as an evaluation's) is an empty cell and no scalar."""
-        with self.path.open("a", newline="", encoding="utf-8") as file:
-            csv.DictWriter(file, self.keys).writerow({k: _format(row[k]) for k in self.keys})
+        does not have, such as an evaluation's) is an empty cell and no scalar.
+
+        Raises:
+            CheckpointError: the disk is full (or over quota).
+        """
+        try:
+            with self.path.open("a", newline="", encoding="utf-8") as file:
+                csv.DictWriter(file, self.keys).writerow({k: _format(row[k]) for k in self.keys})
+        except OSError as exc:
+            error = disk_full_error(exc, self.path.parent, f"writing {self.path.name}")
+            if error is None:
+                raise
+            raise error from exc
         if self._scalars is not None:
             step = int(row["step"])
             for key in self.keys:

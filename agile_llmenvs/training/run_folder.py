@@ -10,32 +10,43 @@ resume compares the files both name, and ``agile-llmenvs train runs/x/manifest.y
 --resume`` continues a run with exactly what it ran.
 
 :func:`plan_run` only reads (every process of a run calls it, before any writes);
-:func:`start_run` writes, on the main process.
+:func:`start_run` writes, on the main process. The main process holds the folder's
+:class:`RunFolderLock` from :func:`plan_run` until the run ends, so a second run on the folder
+(a fresh start, an overwrite or a resume) is refused while the first lives.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import yaml
 
 from agile_llmenvs.errors import CheckpointError
 from agile_llmenvs.specs import RunManifest, load_manifest
 from agile_llmenvs.specs.manifest import absolute_paths
-from agile_llmenvs.training.checkpoint import CHECKPOINT_PREFIX, Checkpoint, find_checkpoint
+from agile_llmenvs.training.checkpoint import (
+    CHECKPOINT_PREFIX,
+    Checkpoint,
+    disk_full_error,
+    find_checkpoint,
+)
 from agile_llmenvs.training.common import TrainResult, training_spec
 from agile_llmenvs.training.metrics import TENSORBOARD_DIR
 from agile_llmenvs.training.rollout_log import ROLLOUTS_FILE
 
 __all__ = [
     "RESUMABLE_CHANGES",
+    "RUN_LOCK",
     "RUN_MANIFEST",
+    "RunFolderLock",
     "RunPlan",
     "manifest_differences",
     "output_dir_of",
@@ -68,6 +79,8 @@ RESUMABLE_CHANGES = (
     "training.vllm",
 )
 _METRICS = "metrics.csv"
+#: The lock file the run writing a folder holds (its pid inside, for the refusal to name).
+RUN_LOCK = ".run.lock"
 # What a run writes (``agile-llmenvs show`` adds the page of its rollouts): an overwrite
 # removes these and the checkpoint folders, nothing else.
 _RUN_FILES = (
@@ -82,6 +95,54 @@ _CHECKPOINT_ENTRY = re.compile(rf"^{CHECKPOINT_PREFIX}\d+(\.partial|\.stale)?$")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
 
+class RunFolderLock:
+    """An exclusive ``flock`` on ``RUN_LOCK`` in a run's folder, held until :meth:`release`.
+
+    The kernel drops the lock when its process dies, however it dies, so a crashed run's
+    folder is free again at once (a pid file alone would go stale).
+    """
+
+    def __init__(self, output_dir: Path) -> None:
+        self.path = output_dir / RUN_LOCK
+        self._file: TextIO | None = None
+
+    @classmethod
+    def acquire(cls, output_dir: Path) -> RunFolderLock:
+        """Lock ``output_dir`` (made if missing) for this process, writing its pid.
+
+        Raises:
+            CheckpointError: another process holds the lock; the message names its pid.
+        """
+        lock = cls(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        file = lock.path.open("a+", encoding="utf-8")
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                file.close()
+                raise
+            file.seek(0)
+            holder = file.read().strip() or "unknown"
+            file.close()
+            raise CheckpointError(
+                f"{output_dir} is in use by another run (pid {holder}, which holds "
+                f"{lock.path}): wait for that run to end, or give this one another "
+                "training.output_dir"
+            ) from None
+        file.truncate(0)
+        file.write(f"{os.getpid()}\n")
+        file.flush()
+        lock._file = file
+        return lock
+
+    def release(self) -> None:
+        """Unlock the folder; idempotent (the file stays: removing it would race a taker)."""
+        if self._file is not None:
+            self._file.close()  # closing the file drops its flock
+            self._file = None
+
+
 @dataclass(frozen=True)
 class RunPlan:
     """How a run starts in its folder.
@@ -91,12 +152,19 @@ class RunPlan:
         resume_from: The checkpoint a resume continues from (``None``: a fresh start).
         overwrite: A fresh start that first removes the run the folder holds.
         complete: A resume of a run that already reached ``max_steps``: nothing to do.
+        lock: The folder's lock, on the main process (:meth:`release` it when the run ends).
     """
 
     output_dir: Path
     resume_from: Checkpoint | None = None
     overwrite: bool = False
     complete: bool = False
+    lock: RunFolderLock | None = None
+
+    def release(self) -> None:
+        """Release the folder's lock, if this process holds it."""
+        if self.lock is not None:
+            self.lock.release()
 
     def complete_result(self) -> TrainResult:
         """What a complete run left behind, as a run that ran no step reports it."""
@@ -121,17 +189,35 @@ def output_dir_of(manifest: RunManifest) -> Path:
 
 
 def plan_run(manifest: RunManifest, *, resume: bool, overwrite: bool) -> RunPlan:
-    """Decide how the run starts, reading the folder only.
+    """Decide how the run starts, reading the folder only, but for its lock: the main
+    process (rank 0) takes the folder's :class:`RunFolderLock` first and holds it in the
+    plan; call :meth:`RunPlan.release` when the run ends.
 
     Raises:
-        CheckpointError: a fresh start on a folder that holds a run (without ``overwrite``);
-            a resume without a complete checkpoint, or of a run whose manifest differs from
-            this one in a field a resume may not change.
+        CheckpointError: another live run holds the folder; a fresh start on a folder that
+            holds a run (without ``overwrite``); a resume without a complete checkpoint, or of
+            a run whose manifest differs from this one in a field a resume may not change.
         ValueError: both ``resume`` and ``overwrite``.
     """
     if resume and overwrite:
         raise ValueError("resume and overwrite exclude each other: continue a run, or replace it")
     output_dir = output_dir_of(manifest)
+    # accelerate's launcher numbers its processes in RANK; only rank 0 writes the folder
+    if os.environ.get("RANK", "0") != "0" or (resume and not output_dir.is_dir()):
+        return _plan(manifest, output_dir, resume=resume, overwrite=overwrite)
+    lock = RunFolderLock.acquire(output_dir)
+    try:
+        plan = _plan(manifest, output_dir, resume=resume, overwrite=overwrite)
+    except BaseException:
+        lock.release()
+        raise
+    if plan.complete:
+        lock.release()
+        return plan
+    return RunPlan(plan.output_dir, plan.resume_from, plan.overwrite, plan.complete, lock)
+
+
+def _plan(manifest: RunManifest, output_dir: Path, *, resume: bool, overwrite: bool) -> RunPlan:
     if not resume:
         held = _run_files(output_dir)
         if held and not overwrite:
@@ -254,5 +340,12 @@ def _store_manifest(manifest: RunManifest, output_dir: Path) -> None:
     )
     data = pinned.model_dump(mode="json", exclude_unset=True)
     partial = output_dir / f".{RUN_MANIFEST}.partial"
-    partial.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    try:
+        partial.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        error = disk_full_error(exc, output_dir, f"writing {RUN_MANIFEST}")
+        if error is None:
+            raise
+        raise error from exc
     os.replace(partial, output_dir / RUN_MANIFEST)

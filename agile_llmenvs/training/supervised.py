@@ -30,7 +30,7 @@ from agile_llmenvs.training.learner import Learner, micro_batch_slices, reduce_s
 from agile_llmenvs.training.logprobs import scored_token_logps
 from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
 from agile_llmenvs.training.progress import Progress
-from agile_llmenvs.training.run_folder import plan_run, start_run
+from agile_llmenvs.training.run_folder import RunPlan, plan_run, start_run
 
 __all__ = [
     "DatasetObjective",
@@ -132,8 +132,24 @@ def train_on_dataset(
         CheckpointError: see :func:`~agile_llmenvs.training.run_folder.plan_run`.
     """
     plan = plan_run(manifest, resume=resume, overwrite=overwrite)
+    try:
+        return _train(manifest, config, plan, name, metric_keys, make_objective)
+    finally:
+        plan.release()
+
+
+def _train(
+    manifest: RunManifest,
+    config: TrainingSpec,
+    plan: RunPlan,
+    name: str,
+    metric_keys: tuple[str, ...],
+    make_objective: Callable[[Any, Any], DatasetObjective],
+) -> TrainResult:
+    """:func:`train_on_dataset` in the folder ``plan`` holds."""
     if plan.complete:
         return plan.complete_result()
+    resume = plan.resume_from is not None
     output_dir = plan.output_dir
     learner, tokenizer = prepare_policy(manifest, config, total_steps=config.max_steps)
     accelerator = learner.accelerator

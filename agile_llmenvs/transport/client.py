@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from agile_llmenvs.errors import AgileLLMEnvsError, EnvProtocolError, EnvStateError
 from agile_llmenvs.transport._openenv import CallToolAction, Environment, ListToolsAction
 from agile_llmenvs.transport.env_types import infer_env_types
-from agile_llmenvs.transport.protocol import code_for_exception, error_from_wire, observation_frame
+from agile_llmenvs.transport.protocol import (
+    WireError,
+    code_for_exception,
+    error_from_wire,
+    observation_frame,
+    refuse_non_finite,
+)
 from agile_llmenvs.transport.types import EnvReply, TextAction, TextObservation
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
 
@@ -65,7 +73,9 @@ class InProcessEnvClient:
     same serialisation as on the wire, so an env behaves exactly as it would when hosted:
     the same replies, and the same error types (an env exception is an
     :class:`~agile_llmenvs.errors.EnvExecutionError`, a bad action an
-    :class:`~agile_llmenvs.errors.EnvProtocolError`).
+    :class:`~agile_llmenvs.errors.EnvProtocolError`). A reply holding a non-finite number
+    (a NaN reward, say), which the wire cannot carry, is an ``EnvExecutionError`` naming the
+    env, the step and the value, as a server answers it.
     An OpenEnv ``Environment`` is used as it is.
 
     Args:
@@ -102,23 +112,27 @@ class InProcessEnvClient:
         self._direct_reset = self._direct is not None and (
             type(self._direct).reset is OpenEnvWrapper.reset
         )
+        self._steps = 0  # since the last reset: named by a refused reply
 
     def reset(self, *, seed: int | None = None, **task: Any) -> EnvReply:
         """Reset the env with ``seed`` and the task's kwargs."""
         self._check_open()
+        self._steps = 0
         if self._direct_reset:
             assert self._direct is not None
-            return _text_reply(self._call(self._direct.reset_fields, seed=seed, **task))
-        observation = self._call(self.env.reset, seed=seed, **task)
-        return _reply(observation)
+            return self._parsed(
+                _text_reply, self._call(self._direct.reset_fields, seed=seed, **task)
+            )
+        return self._parsed(_reply, self._call(self.env.reset, seed=seed, **task))
 
     def step(self, text: str) -> EnvReply:
         """Send ``text`` in the action's ``action_field``."""
         self._check_open()
+        self._steps += 1
         if self._direct is not None and type(text) is str:
-            return _text_reply(self._call(self._direct.step_fields, text))
+            return self._parsed(_text_reply, self._call(self._direct.step_fields, text))
         action = self._call(self.action_cls, **{self.action_field: text})
-        return _reply(self._call(self.env.step, action))
+        return self._parsed(_reply, self._call(self.env.step, action))
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> EnvReply:
         """Call an MCP tool of an OpenEnv MCP environment.
@@ -131,8 +145,9 @@ class InProcessEnvClient:
             raise EnvProtocolError(
                 f"in-process env {self.env.env_name!r} takes text actions, not tool calls"
             )
+        self._steps += 1
         action = self._call(CallToolAction, tool_name=name, arguments=arguments)
-        return _reply(self._call(self.env.step, action))
+        return self._parsed(_reply, self._call(self.env.step, action))
 
     def list_tools(self) -> list[dict[str, Any]]:
         """The tools of an OpenEnv MCP environment (its ``ListToolsAction``), each with
@@ -170,6 +185,16 @@ class InProcessEnvClient:
         if self._closed:
             raise EnvStateError("this InProcessEnvClient is closed")
 
+    def _parsed(self, parse: Callable[[Any], EnvReply], observation: Any) -> EnvReply:
+        """``parse(observation)``; a non-finite number in it is the error a server sends."""
+        try:
+            return parse(observation)
+        except WireError as exc:
+            name = getattr(self.env, "env_name", type(self.env).__name__)
+            call = f"step {self._steps}" if self._steps else "reset"
+            message = {"code": exc.code, "message": str(exc)}
+            raise error_from_wire(message, url=f"in-process env {name!r}, {call}") from None
+
     @staticmethod
     def _call(method: Any, *args: Any, **kwargs: Any) -> Any:
         """Call into the env, raising what a remote client would for the same failure."""
@@ -197,6 +222,8 @@ def _text_reply(fields: dict[str, Any]) -> EnvReply:
     """The reply to an observation with these :class:`TextObservation` field values (reward,
     done and the rest at their defaults when absent, as after a reset)."""
     reward = fields.get("reward")
+    if reward is not None and not math.isfinite(reward):  # the rest are JSON values already
+        refuse_non_finite(fields)
     observation = {
         "prompt": fields["prompt"],
         "truncated": fields.get("truncated", False),

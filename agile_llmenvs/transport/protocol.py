@@ -25,6 +25,7 @@ __all__ = [
     "error_from_wire",
     "observation_frame",
     "parse_message",
+    "refuse_non_finite",
     "state_frame",
     "strict_json_loads",
     "text_observation_frame",
@@ -117,16 +118,25 @@ def _dump_reply(frame: dict[str, Any], prefix: tuple[str, ...] = ()) -> str:
     try:
         return _JSON_OUT.encode(frame)
     except ValueError:
-        found = _non_finite(frame.get("data"), prefix)
-        if found is None:
-            raise
-        path, value = found
-        name = _name_of_constant(value)
-        raise WireError(
-            ErrorCode.EXECUTION_ERROR,
-            f"the env's {'.'.join(path)} is {name}: replies are JSON, which has no {name}; "
-            "return a finite number",
-        ) from None
+        refuse_non_finite(frame.get("data"), prefix)
+        raise
+
+
+def refuse_non_finite(value: Any, prefix: tuple[str, ...] = ()) -> None:
+    """Raise a :class:`WireError` naming the first non-finite number in ``value`` (dicts and
+    lists, searched in order), if it has one: what every path refuses an env's reply for,
+    hosted or in-process.
+    """
+    found = _non_finite(value, prefix)
+    if found is None:
+        return
+    path, number = found
+    name = _name_of_constant(number)
+    raise WireError(
+        ErrorCode.EXECUTION_ERROR,
+        f"the env's {'.'.join(path)} is {name}: replies are JSON, which has no {name}; "
+        "return a finite number",
+    ) from None
 
 
 def _name_of_constant(value: float) -> str:
@@ -209,6 +219,8 @@ def observation_frame(observation: BaseModel) -> str:
             metadata=o.metadata,
             images=o.images,
         )
+    # JSON mode writes a non-finite float as null, which no env means: refuse one first
+    refuse_non_finite(observation.model_dump(exclude={"reward", "done"}), ("observation",))
     fields = observation.model_dump(mode="json", exclude={"reward", "done"})
     data: dict[str, Any] = {
         "observation": fields,

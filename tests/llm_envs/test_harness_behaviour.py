@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from typing import Any
 
 import pytest
-from echo_envs import EchoEnv, ScriptedEnv, ToolEnv
+from echo_envs import EchoEnv, NonFiniteRewardEnv, ScriptedEnv, ToolEnv
+from openenv_native import EchoAction, EchoEnvironment, EchoObservation
 
 from agile_llmenvs.errors import EnvStateError
 from agile_llmenvs.llm_envs import (
@@ -89,6 +91,50 @@ def test_env_failures_end_the_episode_as_a_value(tokenizer: Any) -> None:
     assert data.stop_reason is StopReason.ENV_ERROR
     assert "EnvExecutionError" in data.info["error"]
     assert "the env exploded" in data.info["error"]
+
+
+def test_a_non_finite_reward_fails_its_episode_naming_the_env_step_and_value(
+    tokenizer: Any,
+) -> None:
+    harness = RolloutHarness.local(NonFiniteRewardEnv(), tokenizer, 1)
+    outcomes = []
+    for _ in range(3):  # the env's episodes score NaN, infinity, then 1.0
+        harness.reset()
+        result = harness.step(ids(tokenizer, "7"))
+        data = harness.get_episode_data()
+        outcomes.append((result.reward, data.stop_reason, data.info.get("error")))
+    refused = (
+        "EnvExecutionError: in-process env 'NonFiniteRewardEnv', step 1: the env's reward is "
+        "{0}: replies are JSON, which has no {0}; return a finite number [code EXECUTION_ERROR]"
+    )
+    assert outcomes == [
+        (0.0, StopReason.ENV_ERROR, refused.format("NaN")),
+        (0.0, StopReason.ENV_ERROR, refused.format("Infinity")),
+        (1.0, StopReason.TERMINATED, None),
+    ]
+
+
+def test_a_non_finite_number_in_an_openenv_observation_fails_its_episode(
+    tokenizer: Any,
+) -> None:
+    class NaNScore(EchoEnvironment):
+        def step(
+            self, action: EchoAction, timeout_s: float | None = None, **kwargs: Any
+        ) -> EchoObservation:
+            return EchoObservation(
+                echoed="x", length=1, reward=0.5, metadata={"p": [0.5, -math.inf]}
+            )
+
+    harness = RolloutHarness.local(NaNScore(), tokenizer, 2)
+    harness.reset()
+    assert harness.step(ids(tokenizer, "7")).done
+    data = harness.get_episode_data()
+    assert data.stop_reason is StopReason.ENV_ERROR
+    assert data.info["error"] == (
+        "EnvExecutionError: in-process env 'NaNScore', step 1: the env's observation.metadata.p.1 "
+        "is -Infinity: replies are JSON, which has no -Infinity; return a finite number "
+        "[code EXECUTION_ERROR]"
+    )
 
 
 def test_segments_restart_the_context_as_new_samples(tokenizer: Any) -> None:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import csv
+import errno
 import functools
 import json
 import logging
+import os
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agile_llmenvs.errors import CheckpointError
 from agile_llmenvs.training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from agile_llmenvs.training.metrics import MetricsWriter
 
 
 class Payload:
@@ -151,6 +157,66 @@ def test_the_newest_complete_checkpoint_wins_and_partial_ones_are_reported(
     found = find_checkpoint(tmp_path)
     assert found is not None
     assert found.step == 1
+
+
+@pytest.mark.parametrize(
+    ("code", "why"),
+    [(errno.ENOSPC, "the disk is full"), (errno.EDQUOT, "the disk quota is used up")],
+)
+def test_a_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, why: str
+) -> None:
+    """A real full disk cannot be made here without a filesystem of our own to fill (a
+    loop mount needs root, which a test must not assume), so ``torch.save`` is made to fail
+    as it does on one: some bytes written, then ``OSError(ENOSPC)`` (or ``EDQUOT``)."""
+    previous = _save(tiny_model_dir, tmp_path, step=1)
+    before = {p: p.read_bytes() for p in sorted(previous.rglob("*")) if p.is_file()}
+
+    def save_on_a_full_disk(obj: Any, file: Any) -> None:
+        """``torch.save`` on a full disk, as it behaves writing to ``/dev/full``: given a
+        path, its own writer fails with a ``RuntimeError`` that names no cause; given a
+        Python file, the file's ``OSError`` comes through."""
+        if isinstance(file, str | os.PathLike):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704")
+        file.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(torch, "save", save_on_a_full_disk)
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda path: SimpleNamespace(total=10, used=9, free=1)
+    )
+    with pytest.raises(CheckpointError) as raised:
+        _save(tiny_model_dir, tmp_path, step=2)
+    assert str(raised.value) == (
+        f"saving checkpoint-2 in {tmp_path} failed: {why} (1 bytes free there). Free some "
+        "space (or keep fewer checkpoints with training.keep_checkpoints), then continue the "
+        "run with --resume"
+    )
+    assert isinstance(raised.value.__cause__, OSError)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]  # no .partial left
+    assert {p: p.read_bytes() for p in sorted(previous.rglob("*")) if p.is_file()} == before
+    found = find_checkpoint(tmp_path)
+    assert found is not None
+    assert found.step == 1
+
+
+def test_a_full_disk_while_writing_a_metrics_row_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = MetricsWriter(tmp_path / "metrics.csv", ["step", "loss"], tensorboard=False)
+
+    def full(self: Any, row: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(csv.DictWriter, "writerow", full)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=0))
+    with pytest.raises(CheckpointError) as raised:
+        writer.write({"step": 1.0, "loss": 0.5})
+    assert str(raised.value) == (
+        f"writing metrics.csv in {tmp_path} failed: the disk is full (0 bytes free there). "
+        "Free some space (or keep fewer checkpoints with training.keep_checkpoints), then "
+        "continue the run with --resume"
+    )
 
 
 @pytest.mark.slow

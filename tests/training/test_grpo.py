@@ -154,3 +154,22 @@ def test_passes_and_mini_batches_engage_the_clip_and_follow_the_schedule(
     assert first["ratio_max"] > 1.05
     assert first["failed_episodes"] == 0.0
     assert first["dropped_groups"] == 0.0
+
+
+def test_non_finite_rewards_fail_their_episodes_and_the_run_goes_on(
+    make_manifest: Callable[..., RunManifest],
+) -> None:
+    env = {
+        "env_type": "rollout",
+        "entrypoint": "echo_envs:NonFiniteRewardEnv",
+        "dataset_path": None,
+        "rubric_file_path": None,
+        "rubric_name": None,
+    }
+    settings = {"batch_size": 2, "group_size": 3, "max_new_tokens": 3}
+    result = train_grpo(make_manifest("quickstart.yaml", max_steps=3, env=env, **settings))
+    assert [row["step"] for row in result.metrics] == [1.0, 2.0, 3.0]
+    assert sum(row["failed_episodes"] for row in result.metrics) > 0
+    for row in result.metrics:
+        assert math.isfinite(row["reward_mean"]), row
+        assert math.isfinite(row["loss"]), row

@@ -20,7 +20,13 @@ from agile_llmenvs.cli import main
 from agile_llmenvs.errors import CheckpointError
 from agile_llmenvs.specs import ModelSpec, RunManifest, TrainingSpec, dump_manifest, load_manifest
 from agile_llmenvs.training import train_dpo, train_sft
-from agile_llmenvs.training.run_folder import manifest_differences, output_dir_of, plan_run
+from agile_llmenvs.training.run_folder import (
+    RUN_LOCK,
+    RunFolderLock,
+    manifest_differences,
+    output_dir_of,
+    plan_run,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
@@ -71,14 +77,15 @@ def _column(run: Path, key: str) -> dict[int, float]:
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, str]]:
-    """Every file under ``folder`` with its modification time and content hash."""
+    """Every file under ``folder`` with its modification time and content hash, but for the
+    lock file, which every process that takes the lock writes its pid into."""
     return {
         str(path.relative_to(folder)): (
             path.stat().st_mtime_ns,
             hashlib.sha256(path.read_bytes()).hexdigest(),
         )
         for path in sorted(folder.rglob("*"))
-        if path.is_file()
+        if path.is_file() and path.name != RUN_LOCK
     }
 
 
@@ -125,6 +132,47 @@ def test_a_rerun_without_flags_refuses_and_leaves_the_run_as_it_was(
     )
     assert _steps(here / SFT_RUN) == [1, 2]
     assert _snapshot(here / SFT_RUN) == before
+
+
+_HOLD_THE_LOCK = """
+import sys, time
+from pathlib import Path
+from agile_llmenvs.training.run_folder import RunFolderLock
+lock = RunFolderLock.acquire(Path(sys.argv[1]))
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_run_on_a_live_runs_folder_is_refused_naming_its_pid(
+    here: Path, tiny_model_dir: Path
+) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_THE_LOCK, str(here / SFT_RUN)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline() == "locked\n"
+        before = _snapshot(here / SFT_RUN)
+        refusal = (
+            f"{SFT_RUN} is in use by another run (pid {holder.pid}, which holds "
+            f"{SFT_RUN / RUN_LOCK}): wait for that run to end, or give this one another "
+            "training.output_dir"
+        )
+        manifest = _manifest(tiny_model_dir, "sft_digits.yaml", max_steps=3, tensorboard=False)
+        for flags in ({"overwrite": True}, {"resume": True}, {}):
+            with pytest.raises(CheckpointError) as raised:
+                train_sft(manifest, **flags)
+            assert str(raised.value) == refusal
+        assert _snapshot(here / SFT_RUN) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    # the kernel dropped the dead holder's lock: no stale lock blocks the next run
+    RunFolderLock.acquire(here / SFT_RUN).release()
+    assert train_sft(manifest, resume=True).steps == 3
 
 
 def test_overwrite_replaces_the_run_and_only_the_run(here: Path, tiny_model_dir: Path) -> None:

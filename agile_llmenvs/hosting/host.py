@@ -26,7 +26,10 @@ from agile_llmenvs.transport.resolve import ensure_env_packages, env_factory
 from agile_llmenvs.transport.server import OpenEnvServer
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
 
-__all__ = ["EnvHost", "HostInfo", "MemoryWatchdog"]
+__all__ = ["EnvHost", "HostInfo", "MemoryWatchdog", "Watchdog"]
+
+#: Seconds between a host's checks of its own env server's health.
+HEALTH_CHECK_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,15 @@ class EnvHost:
         if config.memory_limit_bytes is not None:
             limit = config.memory_limit_bytes
             self.watchdog = MemoryWatchdog(limit, on_exceeded=lambda used: _exit_host(used, limit))
+        # a server whose hung env calls used up its threads answers /health with 503: the
+        # host exits, so that Ray restarts it as it restarts a host over its memory limit
+        server = self.server
+        self.health = Watchdog(
+            lambda: server.unhealthy,
+            _exit_unhealthy,
+            interval_s=HEALTH_CHECK_INTERVAL_S,
+            name="health-watchdog",
+        )
 
     def info(self) -> HostInfo:
         """The host's address and identity."""
@@ -104,6 +116,7 @@ class EnvHost:
         """Stop serving (open sessions are closed) and stop the services."""
         if self.watchdog is not None:
             self.watchdog.stop()
+        self.health.stop()
         self.server.close()
         stop_services(self.services)
 
@@ -166,7 +179,43 @@ class _PortedEnv(OpenEnvWrapper):
             self._release()
 
 
-class MemoryWatchdog:
+class Watchdog:
+    """Calls ``on_failure`` once ``check`` returns something other than None (checked every
+    ``interval_s`` on a daemon thread); then it stops.
+
+    Args:
+        check: What is wrong now (None: nothing).
+        on_failure: Called with what ``check`` returned; a host exits, and Ray restarts it.
+        interval_s: Seconds between checks.
+        name: The thread's name.
+    """
+
+    def __init__(
+        self,
+        check: Callable[[], Any],
+        on_failure: Callable[[Any], None],
+        *,
+        interval_s: float,
+        name: str = "watchdog",
+    ) -> None:
+        self.check, self.on_failure, self.interval_s = check, on_failure, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching."""
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            failure = self.check()
+            if failure is not None:
+                self.on_failure(failure)
+                return
+
+
+class MemoryWatchdog(Watchdog):
     """Calls ``on_exceeded`` once the process and its children hold more than ``limit_bytes``
     of resident memory (checked every ``interval_s`` on a daemon thread).
 
@@ -179,22 +228,14 @@ class MemoryWatchdog:
     def __init__(
         self, limit_bytes: int, on_exceeded: Callable[[int], None], interval_s: float = 0.2
     ) -> None:
-        self.limit_bytes, self.on_exceeded, self.interval_s = limit_bytes, on_exceeded, interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="memory-watchdog", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop watching."""
-        self._stop.set()
-
-    def _watch(self) -> None:
+        self.limit_bytes = limit_bytes
         process = psutil.Process()
-        while not self._stop.wait(self.interval_s):
+
+        def over_limit() -> int | None:
             used = resident_bytes(process)
-            if used > self.limit_bytes:
-                self.on_exceeded(used)
-                return
+            return used if used > limit_bytes else None
+
+        super().__init__(over_limit, on_exceeded, interval_s=interval_s, name="memory-watchdog")
 
 
 def resident_bytes(process: psutil.Process) -> int:
@@ -229,6 +270,15 @@ def _exit_host(used: int, limit: int) -> None:
     print(
         f"env host: resident memory of {used} bytes is over env_host_memory_limit_bytes="
         f"{limit}; exiting so that Ray restarts this host",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(1)
+
+
+def _exit_unhealthy(reason: str) -> None:
+    print(
+        f"env host: its env server is unhealthy ({reason}); exiting so that Ray restarts this host",
         file=sys.stderr,
         flush=True,
     )

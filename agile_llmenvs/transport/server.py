@@ -156,6 +156,12 @@ class OpenEnvServer:
         return self._thread.is_alive()
 
     @property
+    def unhealthy(self) -> str | None:
+        """Why the server can no longer build envs reliably (its hung env calls used up the
+        threads it replaces), or None while it can; ``/health`` answers 503 with it."""
+        return self.host_sessions.env_calls.threads.exhausted
+
+    @property
     def active_sessions(self) -> int:
         """Sessions open right now."""
         return self.host_sessions.active_sessions

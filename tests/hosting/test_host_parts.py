@@ -15,9 +15,17 @@ import pytest
 
 from agile_llmenvs.errors import EnvBuildError
 from agile_llmenvs.hosting import HostConfig
-from agile_llmenvs.hosting.host import MemoryWatchdog, SessionEnvs, resident_bytes
+from agile_llmenvs.hosting import host as host_module
+from agile_llmenvs.hosting.host import (
+    EnvHost,
+    MemoryWatchdog,
+    SessionEnvs,
+    Watchdog,
+    resident_bytes,
+)
 from agile_llmenvs.hosting.services import start_services, stop_services
 from agile_llmenvs.specs import EnvServiceSpec, LLMEnvSpec
+from agile_llmenvs.transport.env_threads import EnvThreads
 
 HERE = Path(__file__).resolve().parent
 
@@ -201,6 +209,39 @@ def test_the_memory_watchdog_counts_children_and_fires_once() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_watchdog_fires_once_at_the_first_failure() -> None:
+    answers = iter([None, None, "bad", "worse"])
+    fired: list[str] = []
+    done = threading.Event()
+    Watchdog(lambda: next(answers), lambda f: (fired.append(f), done.set()), interval_s=0.01)
+    assert done.wait(5.0)
+    time.sleep(0.05)
+    assert fired == ["bad"]  # then it stops: "worse" is never read
+
+
+def test_a_host_whose_server_is_unhealthy_exits_for_ray_to_restart_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the host in this process (no Ray actor): its server's thread pool reports hung calls
+    # past its bound, as /health's 503 does; the host then exits (here: records why)
+    exits: list[str] = []
+    done = threading.Event()
+    monkeypatch.setattr(host_module, "_exit_unhealthy", lambda r: (exits.append(r), done.set()))
+    monkeypatch.setattr(host_module, "HEALTH_CHECK_INTERVAL_S", 0.01)
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # host_envs
+    host = EnvHost(HostConfig(entrypoint="host_envs:HostEnv"), 0)
+    try:
+        time.sleep(0.1)
+        assert exits == []  # healthy: it stays
+        reason = "2 env calls (step, step) outlived env_step_timeout_s"
+        monkeypatch.setattr(EnvThreads, "exhausted", property(lambda self: reason))
+        assert host.server.unhealthy == reason
+        assert done.wait(5.0)
+        assert exits == [reason]
+    finally:
+        host.shutdown()
 
 
 def test_importing_the_package_and_the_hosting_path_does_not_import_ray() -> None:

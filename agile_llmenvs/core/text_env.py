@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from agile_llmenvs.core.types import Action, EnvironmentSpec, State, StepResult
-from agile_llmenvs.errors import StaleStateError
+from agile_llmenvs.errors import EnvExecutionError, StaleStateError
 from agile_llmenvs.llm_envs.contract import (
     SupportsDatasetSize,
     SupportsMaxTurns,
@@ -144,6 +145,7 @@ class TextEnvironment:
         text = render_action(action)
         try:
             observation, reward, terminated, truncated, info = episode.env.step(text)
+            _check_reward(reward, self._spec.name, state.step_count + 1)
         except BaseException:
             self.release(state)
             raise
@@ -169,6 +171,7 @@ class TextEnvironment:
             observation, reward, terminated, truncated, info = env.step(text)
         finally:
             env.close()
+        _check_reward(reward, self._spec.name, state.step_count + 1)
         return _advance(state, text, observation, reward, terminated, truncated, info)
 
     def release(self, state: State) -> None:
@@ -185,6 +188,20 @@ class TextEnvironment:
                 episode.env.close()
         if self._single is not None:
             self._single.close()
+
+
+def _check_reward(reward: Any, env_name: str, step: int) -> None:
+    """Refuse a reward that is not a finite number, as the wire and the rollout harness do:
+    the episode then ends in an env error, and one NaN does not reach an average."""
+    try:
+        value = float(reward)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value):
+        raise EnvExecutionError(
+            f"env {env_name!r}, step {step}: the reward is {reward!r}, not a finite number; "
+            "return a finite float"
+        )
 
 
 def _advance(

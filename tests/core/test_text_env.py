@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from agile_llmenvs.core import (
     from_text_env,
     render_action,
 )
-from agile_llmenvs.errors import StaleStateError
+from agile_llmenvs.errors import EnvExecutionError, StaleStateError
 
 
 def test_reset_and_step_build_the_conversation() -> None:
@@ -161,3 +162,38 @@ def test_only_text_envs_or_factories_adapt() -> None:
         TypeError, match=r"^from_text_env needs a TextEnv or a factory of them; got int$"
     ):
         from_text_env(not_an_env)
+
+
+class _Scored:
+    """A one-step env whose reward is the number it was built with."""
+
+    max_turns = 1
+
+    def __init__(self, reward: Any) -> None:
+        self.reward = reward
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> tuple[str, dict[str, Any]]:
+        return "Say a digit.", {}
+
+    def step(self, action: str) -> tuple[str, Any, bool, bool, dict[str, Any]]:
+        return "", self.reward, True, False, {}
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("pure_step", [False, True])
+@pytest.mark.parametrize(
+    ("reward", "shown"), [(float("nan"), "nan"), (float("-inf"), "-inf"), ("high", "'high'")]
+)
+def test_a_reward_that_is_not_a_finite_number_is_an_env_error(
+    pure_step: bool, reward: Any, shown: str
+) -> None:
+    env = from_text_env(lambda: _Scored(reward), name="scored", pure_step=pure_step)
+    state, _ = env.reset(seed=0)
+    message = f"env 'scored', step 1: the reward is {shown}, not a finite number"
+    with pytest.raises(EnvExecutionError, match="^" + re.escape(message)):
+        env.step(state, Action.from_text("4"))
+    fine = from_text_env(lambda: _Scored(0.5), name="scored", pure_step=pure_step)
+    state, _ = fine.reset(seed=0)
+    assert fine.step(state, Action.from_text("4")).reward == 0.5

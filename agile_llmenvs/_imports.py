@@ -5,9 +5,12 @@ from __future__ import annotations
 import difflib
 import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -17,11 +20,41 @@ import yaml
 from agile_llmenvs._yaml import safe_load
 from agile_llmenvs.errors import EnvBuildError, ImportPathError
 
-__all__ = ["load_env_config", "load_module_file", "load_object"]
+__all__ = [
+    "LOOKED_UP",
+    "add_import_folder",
+    "load_env_config",
+    "load_module_file",
+    "load_object",
+    "module_file",
+]
+
+#: Where a relative path or a module Python cannot find is looked up, as messages say it.
+LOOKED_UP = "(a relative path is looked up next to the manifest, then in the working directory)"
+_MODULE_LOOKED_UP = (
+    "(a module Python cannot find is looked up next to the manifest, then in the working directory)"
+)
+
+# The folders of the manifests loaded so far, the latest first: a module a manifest names
+# that is not on sys.path is imported from one of them (see _import_module).
+_MANIFEST_FOLDERS: list[Path] = []
+
+
+def add_import_folder(folder: str | Path) -> None:
+    """Let the modules a manifest in ``folder`` names be imported from ``folder`` when Python
+    cannot find them on ``sys.path`` (which is left as it is)."""
+    resolved = Path(folder).resolve()
+    if resolved in _MANIFEST_FOLDERS:
+        _MANIFEST_FOLDERS.remove(resolved)
+    _MANIFEST_FOLDERS.insert(0, resolved)
 
 
 def load_object(target: str, *, file: str | None = None) -> Any:
     """Import the object an import path names.
+
+    A top-level module Python cannot find on ``sys.path`` is imported from the folder of a
+    loaded manifest that holds it (the latest first), else from the working directory; the
+    folder is on ``sys.path`` only while the module imports.
 
     Args:
         target: ``package.module:attr`` or dotted ``package.module.attr``; with ``file``, an
@@ -54,19 +87,71 @@ def load_object(target: str, *, file: str | None = None) -> Any:
 
 
 def _import_module(name: str, target: str) -> ModuleType:
+    """Import ``name``; a top-level module not on ``sys.path`` is imported from the folder of
+    a loaded manifest that holds it, else from the working directory."""
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
-        raise ImportPathError(
-            f"{target!r}: cannot import module {name!r} ({exc}); is its package installed "
-            "and on PYTHONPATH?"
-        ) from exc
+        top = name.partition(".")[0]
+        folder = _folder_holding(top) if exc.name == top else None
+        if folder is None:
+            where = f" {_MODULE_LOOKED_UP}" if exc.name == top else ""
+            raise ImportPathError(
+                f"{target!r}: cannot import module {name!r} ({exc}); is its package installed "
+                f"and on PYTHONPATH?{where}"
+            ) from exc
+    with _on_sys_path(folder):  # for as long as it imports: it may import its neighbours
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            raise ImportPathError(
+                f"{target!r}: cannot import module {name!r} from {str(folder)!r} ({exc})"
+            ) from exc
+
+
+def module_file(name: str) -> Path | None:
+    """The file of the top-level module ``name`` when it is a ``.py`` file imported from a
+    loaded manifest's folder or the working directory, not found on ``sys.path``; else None."""
+    if not name.isidentifier() or name in sys.builtin_module_names:
+        return None
+    if importlib.machinery.PathFinder.find_spec(name, sys.path) is not None:
+        return None
+    folder = _folder_holding(name)
+    path = None if folder is None else folder / f"{name}.py"
+    return path if path is not None and path.is_file() else None
+
+
+def _folder_holding(module: str) -> Path | None:
+    """The first folder of a loaded manifest, or else the working directory, that holds the
+    top-level ``module`` (a ``.py`` file or a package)."""
+    for folder in dict.fromkeys([*_MANIFEST_FOLDERS, Path.cwd()]):
+        if importlib.machinery.PathFinder.find_spec(module, [str(folder)]) is not None:
+            return folder
+    return None
+
+
+@contextmanager
+def _on_sys_path(folder: Path) -> Iterator[None]:
+    """``folder`` at the end of ``sys.path`` (it shadows nothing), taken off again after."""
+    entry = str(folder)
+    added = entry not in sys.path
+    if added:
+        sys.path.append(entry)
+        importlib.invalidate_caches()
+    try:
+        yield
+    finally:
+        if added and entry in sys.path:
+            sys.path.remove(entry)
 
 
 def load_module_file(path: Path) -> ModuleType:
-    """Import the Python file at ``path`` as a module (once per resolved path)."""
+    """Import the Python file at ``path`` as a module (once per resolved path); while it runs,
+    its folder is on ``sys.path``, so it may import the modules beside it."""
     if not path.is_file():
-        raise ImportPathError(f"path {str(path)!r} is not a Python file")
+        looked = "" if path.is_absolute() else f" (looked for {path.resolve()})"
+        state = "is not a Python file" if path.exists() else "does not exist"
+        raise ImportPathError(f"{str(path)!r} {state}{looked}")
     digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
     name = f"_agile_llmenvs_user_{path.stem}_{digest}"
     if name in sys.modules:
@@ -77,7 +162,8 @@ def load_module_file(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # before exec, so pickling by reference (subprocess envs) works
     try:
-        spec.loader.exec_module(module)
+        with _on_sys_path(path.resolve().parent):
+            spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[name]
         raise

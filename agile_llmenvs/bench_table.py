@@ -89,6 +89,7 @@ _SHAPED = {
     "min_p": "min_p 0.05",
 }
 _STEP = "GRPO step of the quick start (8 groups x 8, 8 tokens), median"
+_THREADS = "quick start (60 GRPO steps on the tiny model)"
 
 FIGURES: dict[str, tuple[Figure, ...]] = {
     "terminal_redteam": (
@@ -312,6 +313,35 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
                 detail="{" + name + ".peak_gb} GB",
             ),
         )
+    ),
+    "quickstart_threads": (
+        Figure(
+            "busy_over_quiet_cpu",
+            f"{_THREADS}, automatic threads: CPU-seconds per step beside two busy processes over"
+            " quiet",
+            target=_at_most(1.5),
+            detail="{auto_busy.cpu_s} s vs {auto_quiet.cpu_s} s, {auto_quiet.threads} thread(s)",
+        ),
+        Figure(
+            "auto_over_default_busy_wall",
+            f"{_THREADS}: wall time per step beside two busy processes, automatic threads over"
+            " torch's default",
+            target=_at_most(1.0),
+            detail="{auto_busy.wall_s} s vs {default_busy.wall_s} s, "
+            "{default_busy.threads} threads",
+        ),
+        Figure(
+            "auto_over_default_wall",
+            f"{_THREADS}: same measure on a quiet machine (reference)",
+            detail="{auto_quiet.wall_s} s vs {default_quiet.wall_s} s",
+        ),
+        Figure(
+            "default_busy_over_quiet_cpu",
+            f"{_THREADS}, torch's default threads: CPU-seconds per step busy over quiet"
+            " (reference)",
+            detail="{default_busy.cpu_s} s vs {default_quiet.cpu_s} s; busy wall "
+            "{default_busy.wall_s} s vs {auto_busy.wall_s} s automatic",
+        ),
     ),
     "train_step": (
         Figure(

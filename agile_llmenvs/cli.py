@@ -21,21 +21,16 @@ SERVE_SESSIONS = 8
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from agile_llmenvs.validation import validate_file
+    from agile_llmenvs.validation import report_lines, validate_file
 
     status = 0
     for path in args.files:
-        result = validate_file(path, check_files=not args.no_files)
+        result = validate_file(path, check_files=not args.no_files, build=not args.no_build)
         if result.ok:
             print(f"ok    {path}: {result.summary}")
             continue
         status = 2
-        if result.error is not None:
-            print(f"error {path}: {result.error}", file=sys.stderr)
-            continue
-        print(f"error {path}: {result.kind}, {len(result.problems)} problem(s)", file=sys.stderr)
-        for problem in result.problems:
-            print(f"  {problem}", file=sys.stderr)
+        print("\n".join(report_lines(result)), file=sys.stderr)
     return status
 
 
@@ -53,13 +48,30 @@ def _schema(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     import os
+
+    if not 0 <= args.port <= 65535:
+        raise ManifestError(f"--port: expected 0..65535 (0: any free port), got {args.port}")
+    working_dir = None
+    if not _is_manifest(args.entrypoint) and os.getcwd() not in sys.path:
+        # as uvicorn does: an entrypoint's module may sit in the working directory, which a
+        # console script's sys.path lacks (a manifest's modules follow the manifest's rule)
+        working_dir = os.getcwd()
+        sys.path.insert(0, working_dir)
+    try:
+        return _serve_env(args)
+    finally:
+        if working_dir is not None and working_dir in sys.path:
+            sys.path.remove(working_dir)
+
+
+def _serve_env(args: argparse.Namespace) -> int:
+    """Host the env ``args`` name until SIGINT or SIGTERM (or the server stops serving)."""
+    import os
     import signal
     import threading
 
     from agile_llmenvs.transport.server import OpenEnvServer
 
-    if not 0 <= args.port <= 65535:
-        raise ManifestError(f"--port: expected 0..65535 (0: any free port), got {args.port}")
     make_env, name, sessions = _env_to_serve(args)
     exposed = _exposure_warning(args.host, args.token)
     if exposed is not None:
@@ -119,7 +131,7 @@ def _env_to_serve(args: argparse.Namespace) -> tuple[Callable[[], Any], str, int
 
     target: str = args.entrypoint
     sessions = None
-    if target.lower().endswith((".yaml", ".yml", ".json")):
+    if _is_manifest(target):
         from agile_llmenvs.specs import LLMEnvSpec, load_manifest
 
         if args.factory is not None or args.env_config is not None:
@@ -150,6 +162,10 @@ def _env_to_serve(args: argparse.Namespace) -> tuple[Callable[[], Any], str, int
     if callable(close):
         close()
     return make_env, name, sessions
+
+
+def _is_manifest(target: str) -> bool:
+    return target.lower().endswith((".yaml", ".yml", ".json"))
 
 
 def _imported(target: str, resolve: Callable[[], Any]) -> Any:
@@ -195,6 +211,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="check the fields only, not the files, imports and model they name",
     )
+    validate.add_argument(
+        "--no-build",
+        action="store_true",
+        help="do not build one env of a rollout entrypoint to check its env_config (an env "
+        "on Ray env hosts or at an env_url is never built)",
+    )
     validate.set_defaults(run=_validate)
     schema = commands.add_parser("schema", help="print the JSON Schema of run manifests")
     schema.add_argument("-o", "--output", type=Path, help="write to this file instead")
@@ -222,9 +244,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--host",
         default="127.0.0.1",
-        help="interface to bind (default loopback; another one without --token warns)",
+        help="interface to bind (default: 127.0.0.1, loopback; another one without --token warns)",
     )
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--port", type=int, default=8000, help="port to listen on (default: 8000; 0: any free one)"
+    )
     serve.add_argument("--advertise-host", help="host clients should dial, if not --host")
     serve.add_argument("--token", help="shared secret clients must present (Authorization: Bearer)")
     serve.set_defaults(run=_serve)

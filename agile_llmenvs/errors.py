@@ -20,6 +20,7 @@ __all__ = [
     "EnvError",
     "EnvExecutionError",
     "EnvFactoryError",
+    "EnvFailuresError",
     "EnvHostError",
     "EnvProtocolError",
     "EnvStateError",
@@ -221,3 +222,8 @@ class LogitTransformError(AgileLLMEnvsError, TypeError):
 class CheckpointError(AgileLLMEnvsError):
     """A run cannot resume (no checkpoint, or one saved by another setup), its folder is in
     use by another run, or its files could not be written (the disk full)."""
+
+
+class EnvFailuresError(AgileLLMEnvsError, RuntimeError):
+    """A run stopped because its env kept failing: ``training.max_failed_fraction`` of a
+    step's episodes or more failed, ``training.max_failed_steps`` steps in a row."""

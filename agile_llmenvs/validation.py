@@ -1,13 +1,16 @@
 """What ``agile-llmenvs validate`` checks: a run manifest or an eval config, from its fields
-to the files, imports and model it names, without building an env or loading weights.
+to the files, imports and model it names, without loading weights.
 
 First the fields (pydantic); then, unless ``check_files=False``, that each file a run reads
 exists (dataset rows and ``env_config`` files also parse, and rows have the columns the env
 reads), that rubric functions, entrypoints, factories, wrappers and processors import, that a
-model path is a local model directory, and that the optional packages the settings need are
-installed. Nothing is downloaded and no server is contacted: an ``env_url`` is taken as given,
-and a model path that is not on disk is an error even when it names a hub model. Each problem
-names its field path (``env.rubric_name``) and says how to fix it.
+model path is a local model folder whose config and tokenizer load, and that the optional
+packages the settings need are installed; unless ``build=False``, one env of a rollout
+manifest's ``entrypoint`` is built with its ``env_config`` (as training builds it) and closed.
+Nothing is downloaded and no server is contacted: an ``env_url`` is taken as given, an env
+placed on Ray env hosts is not built here, and a model path that is not on disk is an error
+even when it names a hub model. Each problem names its field path (``env.rubric_name``) and
+says how to fix it.
 """
 
 from __future__ import annotations
@@ -25,8 +28,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
+from agile_llmenvs._imports import LOOKED_UP
 from agile_llmenvs._yaml import safe_load
-from agile_llmenvs.errors import AgileLLMEnvsError, ManifestError, OptionalDependencyError
+from agile_llmenvs.errors import (
+    AgileLLMEnvsError,
+    ManifestError,
+    OptionalDependencyError,
+)
 from agile_llmenvs.specs import (
     BanditEnvSpec,
     GymEnvSpec,
@@ -45,7 +53,9 @@ __all__ = [
     "check_eval_config",
     "check_run_manifest",
     "describe_manifest",
+    "problem_lines",
     "problems_of",
+    "report_lines",
     "validate_file",
 ]
 
@@ -54,7 +64,7 @@ Kind = Literal["run manifest", "eval config"]
 _ENV_TAGS = ("gym", "offline", "rollout", "dataset", "bandit")
 # A message that starts with the field it is about, as the specs' rules write them.
 _FIELD_FIRST = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*): (.+)$", re.S)
-_LOOKED_UP = " (a relative path is looked up next to the manifest, then in the working directory)"
+_LOOKED_UP = f" {LOOKED_UP}"
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 _API_KEY_ENV = {
     "openai": "OPENAI_API_KEY",
@@ -106,13 +116,15 @@ class Validation:
         return self.error is None and not self.problems
 
 
-def validate_file(path: str | Path, *, check_files: bool = True) -> Validation:
+def validate_file(path: str | Path, *, check_files: bool = True, build: bool = True) -> Validation:
     """Validate a run manifest or an eval config, told apart by their top-level keys.
 
     Args:
         path: A ``.yaml``, ``.yml`` or ``.json`` file.
         check_files: Also check the files, imports, model and packages it names (otherwise
             only its fields are validated).
+        build: With ``check_files``, also build (and close) one env of a rollout manifest's
+            ``entrypoint``, so a constructor that rejects its ``env_config`` fails here.
     """
     path = Path(path)
     try:
@@ -123,7 +135,24 @@ def validate_file(path: str | Path, *, check_files: bool = True) -> Validation:
         return Validation(path, "run manifest", error=str(exc))
     if isinstance(data, dict) and "environments" in data and "env" not in data:
         return _validate_eval_config(path, check_files)
-    return _validate_run_manifest(path, check_files)
+    return _validate_run_manifest(path, check_files, build)
+
+
+def report_lines(result: Validation) -> list[str]:
+    """How ``validate`` prints a file that failed its checks: a line naming the file and how
+    many problems it has, then one indented line per problem."""
+    if result.error is not None:
+        return [f"error {result.path}: {result.error}"]
+    lines = [f"error {result.path}: {result.kind}, {len(result.problems)} problem(s)"]
+    return lines + [f"  {problem}" for problem in result.problems]
+
+
+def problem_lines(result: Validation) -> list[str]:
+    """How a command that runs the file (``train``) prints the same problems: one line each,
+    naming the file, in ``validate``'s words."""
+    if result.error is not None:
+        return [f"error {result.path}: {result.error}"]
+    return [f"error {result.path}: {problem}" for problem in result.problems]
 
 
 def problems_of(exc: ValidationError) -> list[Problem]:
@@ -151,14 +180,15 @@ def problems_of(exc: ValidationError) -> list[Problem]:
     return problems
 
 
-def check_run_manifest(manifest: RunManifest) -> list[Problem]:
+def check_run_manifest(manifest: RunManifest, *, build: bool = True) -> list[Problem]:
     """The problems a manifest whose fields are valid would meet as its run starts: missing
-    files, rubric functions or imports, a model path that is no model, packages not installed.
+    files, rubric functions or imports, a model path that is no model, packages not installed,
+    and (with ``build``) an entrypoint env whose constructor fails on its ``env_config``.
     """
     found = _Found()
     env = manifest.env
     if isinstance(env, LLMEnvSpec):
-        _llm_env(found, env, manifest.seed)
+        _llm_env(found, env, manifest.seed, build=build)
     elif isinstance(env, BanditEnvSpec):
         _bandit_env(found, env)
     else:
@@ -219,7 +249,7 @@ def _read(path: Path) -> Any:
     raise ManifestError(f"expected a .yaml, .yml or .json file, got {suffix!r}")
 
 
-def _validate_run_manifest(path: Path, check_files: bool) -> Validation:
+def _validate_run_manifest(path: Path, check_files: bool, build: bool) -> Validation:
     from agile_llmenvs.specs import load_manifest
 
     try:
@@ -229,7 +259,22 @@ def _validate_run_manifest(path: Path, check_files: bool) -> Validation:
     summary = describe_manifest(manifest)
     if not check_files:
         return Validation(path, "run manifest", f"{summary} (--no-files: fields only)")
-    return Validation(path, "run manifest", summary, tuple(check_run_manifest(manifest)))
+    problems = tuple(check_run_manifest(manifest, build=build))
+    unbuilt = _not_built(manifest.env, build)
+    return Validation(path, "run manifest", f"{summary}{unbuilt}", problems)
+
+
+def _not_built(env: Any, build: bool) -> str:
+    """What the summary says of an entrypoint env validate did not build."""
+    if not (isinstance(env, LLMEnvSpec) and env.source == "entrypoint"):
+        return ""
+    if not build:
+        return " (--no-build: env not built)"
+    return " (env not built: it runs on Ray env hosts)" if _hosted(env) else ""
+
+
+def _hosted(spec: LLMEnvSpec) -> bool:
+    return any(f in spec.model_fields_set and getattr(spec, f) for f in HOSTING_FIELDS)
 
 
 def _validate_eval_config(path: Path, check_files: bool) -> Validation:
@@ -268,10 +313,11 @@ class _Found(list[Problem]):
             if not isinstance(exc, AgileLLMEnvsError):  # a foreign error: say which
                 text = f"{type(exc).__name__}: {text}"
             named = _FIELD_FIRST.match(text)
+            field = named.group(1).removeprefix("env.") if named else ""
             if named and named.group(1) in (where, where.split(".", 1)[-1]):
                 self.append(Problem(where, named.group(2)))
-            elif named and section is not None and named.group(1) in section.model_fields:
-                self.append(Problem(f"env.{named.group(1)}", named.group(2)))
+            elif named and section is not None and field in section.model_fields:
+                self.append(Problem(f"env.{field}", named.group(2)))
             else:
                 self.append(Problem(where, text))
             return False
@@ -315,7 +361,7 @@ def _installed(package: str, extra: str, feature: str) -> Callable[[], object]:
     return check
 
 
-def _llm_env(found: _Found, spec: LLMEnvSpec, seed: int) -> None:
+def _llm_env(found: _Found, spec: LLMEnvSpec, seed: int, *, build: bool) -> None:
     rows_found = found.exists("env.dataset_path", spec.dataset_path)
     found.exists("env.chat_template_path", spec.chat_template_path)
     if spec.rubric_file_path is not None and found.exists(
@@ -335,14 +381,38 @@ def _llm_env(found: _Found, spec: LLMEnvSpec, seed: int) -> None:
             "env.env_packages", lambda: ensure_env_packages(packages, allow_install=False)
         ):
             if spec.factory is not None:
-                found.attempt("env.factory", _imports(spec.factory))
+                imported = found.attempt("env.factory", _imports(spec.factory))
             else:
-                found.attempt("env.entrypoint", _imports(spec.entrypoint))
+                imported = found.attempt("env.entrypoint", _imports(spec.entrypoint))
+            if imported and build and not _hosted(spec):
+                found.attempt("env.entrypoint", _one_env_built(spec, seed), LLMEnvSpec)
     if spec.observation_processor is not None:
         found.attempt("env.observation_processor", _imports(spec.observation_processor))
     hosted = [f for f in HOSTING_FIELDS if f in spec.model_fields_set and getattr(spec, f)]
     if hosted and spec.entrypoint is not None:
         found.attempt(f"env.{hosted[0]}", _installed("ray", "ray", "env hosts"))
+
+
+def _one_env_built(spec: LLMEnvSpec, seed: int) -> Callable[[], object]:
+    """A check that one env of an entrypoint spec builds, as training builds it, and closes."""
+
+    def check() -> None:
+        from agile_llmenvs.transport.resolve import text_env_factory
+
+        make_env = text_env_factory(spec, seed=seed)
+        try:
+            env = make_env()
+        except AgileLLMEnvsError:
+            raise
+        except Exception as exc:  # the env's own constructor: in training's words
+            from agile_llmenvs.envs.rollout import env_build_error
+
+            raise env_build_error(spec, exc) from exc
+        close = getattr(env, "close", None)
+        if callable(close):
+            close()
+
+    return check
 
 
 def _rows(found: _Found, spec: LLMEnvSpec, seed: int) -> None:
@@ -470,13 +540,19 @@ def _bandit_env(found: _Found, spec: BanditEnvSpec) -> None:
 
 
 def _model(found: _Found, spec: ModelSpec) -> None:
+    """A model path is a local folder whose config and tokenizer (or processor) load offline;
+    the built-in model (no path) is built locally when a run starts, so it is not checked."""
     from agile_llmenvs.backends.hf import check_model_dir
 
+    model_found = False
     if spec.path is not None:
         path = spec.path
-        found.attempt("model.path", lambda: check_model_dir(path, field="model.path"))
+        model_found = found.attempt("model.path", lambda: check_model_dir(path, field="model.path"))
     tokenizer = spec.tokenizer_path
-    if tokenizer is not None and not any((Path(tokenizer) / f).is_file() for f in _TOKENIZER_FILES):
+    tokenizer_found = tokenizer is None or any(
+        (Path(tokenizer) / f).is_file() for f in _TOKENIZER_FILES
+    )
+    if not tokenizer_found:
         found.append(
             Problem(
                 "model.tokenizer_path",
@@ -484,6 +560,62 @@ def _model(found: _Found, spec: ModelSpec) -> None:
                 "set it to the folder save_pretrained writes, or unset it to use the model's",
             )
         )
+    if spec.path is None or not model_found or not (Path(spec.path) / "config.json").is_file():
+        return  # no model folder, or LoRA adapters (their base model is named inside)
+    model = spec.path
+    if found.attempt("model.path", lambda: _config_loads(model)) and tokenizer_found:
+        where = "model.tokenizer_path" if tokenizer else "model.path"
+        found.attempt(where, lambda: _tokenizer_loads(model, tokenizer))
+
+
+def _config_loads(path: str) -> None:
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # transformers raises ValueError, OSError and more
+        text = " ".join(str(exc).split())
+        if "`model_type`" in text:
+            raise ManifestError(
+                f"{path!r}: config.json has no model_type: not a transformers model folder; set "
+                "model.path to the folder save_pretrained writes (its config.json names a "
+                'model_type, e.g. "qwen2")'
+            ) from exc
+        raise ManifestError(
+            f"{path!r}: config.json does not load ({type(exc).__name__}: {text}); set model.path "
+            "to the folder save_pretrained writes"
+        ) from exc
+
+
+def _tokenizer_loads(path: str, tokenizer_path: str | None) -> None:
+    """The tokenizer training loads loads (the processor, for a vision-language model)."""
+    from agile_llmenvs.tiny_vlm import is_vision_model, load_processor
+
+    folder = tokenizer_path or path
+    what = "tokenizer"
+    fix = (
+        f"save it into that folder ({what}.save_pretrained(folder)), or set "
+        "model.tokenizer_path to a folder that holds one"
+    )
+    if not any((Path(folder) / name).is_file() for name in _TOKENIZER_FILES):
+        # transformers would make an empty tokenizer of the config's class instead
+        raise ManifestError(
+            f"{folder!r} holds no tokenizer (no {', '.join(_TOKENIZER_FILES)}); {fix}"
+        )
+    try:
+        if tokenizer_path is None and is_vision_model(path):
+            what = "processor"
+            load_processor(path)
+        else:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as exc:  # transformers raises OSError, ValueError and more
+        text = " ".join(str(exc).split())
+        fix = fix.replace("tokenizer.save", f"{what}.save")
+        raise ManifestError(
+            f"{folder!r}: the {what} does not load ({type(exc).__name__}: {text}); {fix}"
+        ) from exc
 
 
 def _reasoning_gym_dataset(name: str) -> Callable[[], object]:

@@ -45,6 +45,14 @@ def _command(*args: str) -> list[str]:
     return [sys.executable, "-m", "agile_llmenvs", "serve", *args]
 
 
+def _script(*args: str) -> list[str]:
+    """The console script: unlike ``python -m``, its ``sys.path`` lacks the working directory."""
+    script = Path(sys.executable).with_name("agile-llmenvs")
+    if not script.exists():
+        pytest.skip("the agile-llmenvs console script is not installed beside this Python")
+    return [str(script), "serve", *args]
+
+
 def _env() -> dict[str, str]:
     """The tests' envs importable, offline."""
     path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
@@ -52,11 +60,11 @@ def _env() -> dict[str, str]:
 
 
 @contextmanager
-def _served(*args: str, cwd: Path) -> Iterator[str]:
-    """``agile-llmenvs serve ARGS --port 0`` as a process in ``cwd``; yields its URL, then stops
-    it with SIGTERM and checks that it exits 0."""
+def _served(*args: str, cwd: Path, script: bool = False) -> Iterator[str]:
+    """``agile-llmenvs serve ARGS --port 0`` as a process in ``cwd`` (run by the console script
+    with ``script``); yields its URL, then stops it with SIGTERM and checks that it exits 0."""
     proc = subprocess.Popen(
-        _command(*args, "--port", "0"),
+        (_script if script else _command)(*args, "--port", "0"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -116,6 +124,33 @@ def test_serves_a_file_entrypoint(project: Path) -> None:
         assert client.step("7").reward == 1.0
 
 
+def test_the_console_script_serves_a_module_of_the_working_directory(tmp_path: Path) -> None:
+    (tmp_path / "cwd_guess.py").write_text(GUESS_ENV)
+    args = ("cwd_guess:GuessEnv", "--env-config", '{"secret": 4}')
+    with (
+        _served(*args, cwd=tmp_path, script=True) as url,
+        RemoteEnvClient(url, timeout_s=30) as client,
+    ):
+        assert client.reset().prompt == "Guess my digit."
+        assert client.step("4").reward == 1.0
+
+
+def test_a_manifest_serves_a_module_beside_it_from_another_working_directory(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "project").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "project" / "near_guess.py").write_text(GUESS_ENV)
+    manifest = tmp_path / "project" / "guess.yaml"
+    manifest.write_text("env: {env_type: rollout, entrypoint: 'near_guess:GuessEnv'}\n")
+    with (
+        _served(str(manifest), cwd=tmp_path / "elsewhere", script=True) as url,
+        RemoteEnvClient(url, timeout_s=30) as client,
+    ):
+        client.reset()
+        assert client.step("3").reward == 1.0
+
+
 def test_each_mistake_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -131,16 +166,18 @@ def test_each_mistake_is_one_line(
         cases = {
             ("absent_pkg.envs:MyEnv",): (
                 "'absent_pkg.envs:MyEnv': cannot import module 'absent_pkg.envs' (No module "
-                "named 'absent_pkg'); is its package installed and on PYTHONPATH? If "
-                "'absent_pkg.envs:MyEnv' is a registry id rather than a 'module:Class' path, "
-                "pass it as the entrypoint with a factory that builds it, e.g. factory='gem:make'"
+                "named 'absent_pkg'); is its package installed and on PYTHONPATH? (a module "
+                "Python cannot find is looked up next to the manifest, then in the working "
+                "directory). If 'absent_pkg.envs:MyEnv' is a registry id rather than a "
+                "'module:Class' path, pass it as the entrypoint with a factory that builds it, "
+                "e.g. factory='gem:make'"
             ),
             ("echo-v0", "--factory", "echo_envs:maker"): (
                 "'echo_envs:maker': echo_envs has no attribute 'maker'. Did you mean 'make'?"
             ),
             ("echo_envs:EchoEnv", "--env-config", '{"greting": "hi"}'): (
-                "cannot build the env 'echo_envs:EchoEnv': TypeError: EchoEnv.__init__() got an "
-                "unexpected keyword argument 'greting'"
+                "env.env_config: 'greting' is not a keyword argument of EchoEnv (it takes: "
+                "greeting); did you mean 'greeting'?"
             ),
             ("echo_envs:EchoEnv", "--env-config", "[1]"): (
                 "--env-config: expected a JSON object of keyword arguments such as "

@@ -16,6 +16,9 @@ MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
 DIGITS = MANIFESTS / "data" / "digits.jsonl"
 RUBRIC = MANIFESTS / "rubrics" / "digits.py"
 LOOKED_UP = "(a relative path is looked up next to the manifest, then in the working directory)"
+MODULE_LOOKED_UP = (
+    "(a module Python cannot find is looked up next to the manifest, then in the working directory)"
+)
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -94,9 +97,12 @@ def test_each_missing_file_import_and_model_is_one_line_by_field(tmp_path: Path)
         "it to the folder save_pretrained writes",
         "error entrypoint.yaml: run manifest, 1 problem(s)",
         "  env.entrypoint: 'absent_pkg.envs:MyEnv': cannot import module 'absent_pkg.envs' (No "
-        "module named 'absent_pkg'); is its package installed and on PYTHONPATH?",
+        "module named 'absent_pkg'); is its package installed and on PYTHONPATH? "
+        + MODULE_LOOKED_UP,
         "error file_entrypoint.yaml: run manifest, 1 problem(s)",
-        "  env.entrypoint: path 'envs/absent.py' is not a Python file",
+        f"  env.entrypoint: 'envs/absent.py' does not exist (looked for "
+        f"{tmp_path}/envs/absent.py; a relative path in a manifest is looked up next to the "
+        "manifest, then in the working directory)",
         "error factory.yaml: run manifest, 1 problem(s)",
         "  env.factory: 'echo_envs:maker': echo_envs has no attribute 'maker'. Did you mean "
         "'make'?",
@@ -119,15 +125,169 @@ def test_a_file_entrypoint_that_imports_validates(tmp_path: Path) -> None:
 
 
 def test_a_model_path_holds_a_model_or_lora_adapters(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for name, config in (("full", "config.json"), ("lora", "adapter_config.json")):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / config).write_text("{}")
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "adapter_config.json").write_text("{}")
+    for name, folder in (("full", tiny_model_dir), ("lora", tmp_path / "lora")):
         manifest = tmp_path / f"{name}.yaml"
-        manifest.write_text(_rollout() + f"model: {{path: {tmp_path / name}}}\n")
+        manifest.write_text(_rollout() + f"model: {{path: {folder}}}\n")
         assert main(["validate", str(manifest)]) == 0, capsys.readouterr().err
     assert capsys.readouterr().err == ""
+
+
+def test_a_model_folder_whose_config_or_tokenizer_does_not_load_is_caught(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty, untokenized = tmp_path / "empty", tmp_path / "untokenized"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    untokenized.mkdir()
+    (untokenized / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    for folder in (empty, untokenized):
+        (tmp_path / f"{folder.name}.yaml").write_text(_rollout() + f"model: {{path: {folder}}}\n")
+    assert main(["validate", str(tmp_path / "empty.yaml")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error {tmp_path / 'empty.yaml'}: run manifest, 1 problem(s)",
+        f"  model.path: '{empty}': config.json has no model_type: not a transformers model "
+        "folder; set model.path to the folder save_pretrained writes (its config.json names a "
+        'model_type, e.g. "qwen2")',
+    ]
+    assert main(["validate", str(tmp_path / "untokenized.yaml")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error {tmp_path / 'untokenized.yaml'}: run manifest, 1 problem(s)",
+        f"  model.path: '{untokenized}' holds no tokenizer (no tokenizer_config.json, "
+        "tokenizer.json, tokenizer.model); save it into that folder "
+        "(tokenizer.save_pretrained(folder)), or set model.tokenizer_path to a folder that "
+        "holds one",
+    ]
+
+
+def test_the_builtin_model_validates_offline_without_being_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import agile_llmenvs.tiny_model
+
+    def no_build() -> None:
+        raise AssertionError("validate built the tiny model")
+
+    monkeypatch.setattr(agile_llmenvs.tiny_model, "ensure_tiny_model", no_build)
+    assert main(["validate", str(MANIFESTS / "quickstart.yaml")]) == 0, capsys.readouterr().err
+
+
+MY_ENV = """
+from pathlib import Path
+
+
+class {name}:
+    max_turns = 2
+
+    def __init__(self, size: int = 3, max_guesses: int = 2) -> None:
+        if size < 1:
+            raise ValueError(f"size must be at least 1, got {{size}}")
+        self.size = size
+
+    def reset(self, *, seed=None, **task):
+        return "Guess.", {{}}
+
+    def step(self, action):
+        return "Done.", 1.0, True, False, {{}}
+
+    def close(self):
+        (Path(__file__).parent / "closed.txt").write_text(str(self.size))
+"""
+
+
+def _project(tmp_path: Path, module: str, entrypoint: str, env_config: str = "{}") -> Path:
+    """``project/run.yaml`` naming ``entrypoint``, with ``project/{module}.py`` beside it."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / f"{module}.py").write_text(MY_ENV.format(name="MyEnv"))
+    (project / "run.yaml").write_text(
+        f"env: {{env_type: rollout, entrypoint: '{entrypoint}', env_config: {env_config}}}\n"
+        "training: {algorithm: grpo}\n"
+    )
+    (tmp_path / "elsewhere").mkdir()
+    return project
+
+
+def test_an_entrypoint_file_beside_the_manifest_resolves_from_any_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from agile_llmenvs.specs import LLMEnvSpec, load_manifest
+    from agile_llmenvs.transport.resolve import env_factory
+
+    project = _project(tmp_path, "file_env_a", "file_env_a.py:MyEnv", "{size: 4}")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["validate", str(project / "run.yaml")]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out == (
+        f"ok    {project / 'run.yaml'}: rollout env '{project / 'file_env_a.py'}:MyEnv' from "
+        "entrypoint, trained with grpo\n"
+    )
+    assert (project / "closed.txt").read_text() == "4"  # one env built, and closed
+    spec = load_manifest(project / "run.yaml").env
+    assert isinstance(spec, LLMEnvSpec)
+    assert spec.entrypoint is not None
+    assert env_factory(spec.entrypoint, spec.env_config, factory=spec.factory)().size == 4
+
+
+def test_a_module_beside_the_manifest_imports_from_any_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from agile_llmenvs.specs import LLMEnvSpec, load_manifest
+    from agile_llmenvs.transport.resolve import env_factory
+
+    project = _project(tmp_path, "module_env_b", "module_env_b:MyEnv", "{size: 5}")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    path_before = list(sys.path)
+    assert main(["validate", str(project / "run.yaml")]) == 0, capsys.readouterr().err
+    assert (project / "closed.txt").read_text() == "5"
+    spec = load_manifest(project / "run.yaml").env
+    assert isinstance(spec, LLMEnvSpec)
+    assert spec.entrypoint == "module_env_b:MyEnv"
+    assert env_factory(spec.entrypoint, spec.env_config, factory=spec.factory)().size == 5
+    assert sys.path == path_before  # the manifest's folder was on it only while importing
+
+
+def test_a_wrong_env_config_key_or_a_failing_constructor_is_caught_by_building_one_env(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    project = _project(tmp_path, "config_env_c", "config_env_c.py:MyEnv", "{sise: 4}")
+    manifest = str(project / "run.yaml")
+    assert main(["validate", manifest]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error {manifest}: run manifest, 1 problem(s)",
+        "  env.env_config: 'sise' is not a keyword argument of MyEnv (it takes: size, "
+        "max_guesses); did you mean 'size'?",
+    ]
+    (project / "run.yaml").write_text(
+        "env: {env_type: rollout, entrypoint: config_env_c.py:MyEnv, env_config: {size: 0}}\n"
+    )
+    assert main(["validate", manifest]) == 2
+    source = (project / "config_env_c.py").read_text().splitlines()
+    line = next(n for n, text in enumerate(source, 1) if "raise ValueError" in text)
+    assert capsys.readouterr().err.splitlines() == [
+        f"error {manifest}: run manifest, 1 problem(s)",
+        "  env.entrypoint: cannot build the env: ValueError: size must be at least 1, got 0 "
+        f"(at {project / 'config_env_c.py'}:{line} in __init__)",
+    ]
+
+
+def test_no_build_and_no_files_skip_building_the_env(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    project = _project(tmp_path, "unbuilt_env_d", "unbuilt_env_d.py:MyEnv", "{sise: 4}")
+    manifest = str(project / "run.yaml")
+    entrypoint = f"{project / 'unbuilt_env_d.py'}:MyEnv"
+    assert main(["validate", "--no-build", manifest]) == 0, capsys.readouterr().err
+    assert main(["validate", "--no-files", manifest]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.splitlines() == [
+        f"ok    {manifest}: rollout env '{entrypoint}' from entrypoint, trained with grpo "
+        "(--no-build: env not built)",
+        f"ok    {manifest}: rollout env '{entrypoint}' from entrypoint, trained with grpo "
+        "(--no-files: fields only)",
+    ]
+    assert not (project / "closed.txt").exists()
 
 
 def test_an_eval_config_is_validated_as_one(tmp_path: Path) -> None:
@@ -173,7 +333,8 @@ def test_an_eval_config_entry_point_must_import(
     assert capsys.readouterr().err.splitlines() == [
         f"error {config}: eval config, 1 problem(s)",
         "  environments.0.entry_point: 'absent_pkg:MyEnv': cannot import module 'absent_pkg' "
-        "(No module named 'absent_pkg'); is its package installed and on PYTHONPATH?",
+        "(No module named 'absent_pkg'); is its package installed and on PYTHONPATH? "
+        + MODULE_LOOKED_UP,
     ]
 
 
@@ -216,9 +377,10 @@ def test_every_shipped_manifest_and_eval_config_validates(
 def test_train_with_a_bad_model_path_is_one_line_naming_it(tmp_path: Path) -> None:
     (tmp_path / "run.yaml").write_text(_rollout() + "model: {path: ./models/absent}\n")
     done = _cli("train", "run.yaml", cwd=tmp_path)
-    assert (done.returncode, done.stderr) == (
-        2,
-        "error: model.path: './models/absent' does not exist; set it to a local model "
-        "directory (the folder save_pretrained writes, holding config.json) (--debug shows "
-        "the traceback)\n",
+    problem = (
+        "model.path: './models/absent' does not exist; set it to a local model directory (the "
+        "folder save_pretrained writes, holding config.json)"
     )
+    assert (done.returncode, done.stderr) == (2, f"error run.yaml: {problem}\n")
+    checked = _cli("validate", "run.yaml", cwd=tmp_path)  # the same words
+    assert checked.stderr.splitlines()[1:] == [f"  {problem}"]

@@ -14,10 +14,11 @@ from agile_llmenvs.llm_envs.rubric import RubricEnv, load_rubric
 from agile_llmenvs.specs import LLMEnvSpec
 from agile_llmenvs.specs.llm import HOSTING_FIELDS
 from agile_llmenvs.transport.client import InProcessEnvClient
+from agile_llmenvs.transport.protocol import exception_location
 from agile_llmenvs.transport.remote import RemoteEnvClient
 from agile_llmenvs.transport.resolve import ensure_env_packages, env_factory
 
-__all__ = ["make_rollout_env_factory"]
+__all__ = ["env_build_error", "make_rollout_env_factory"]
 
 HarnessFactory = Callable[[], RolloutHarness]
 
@@ -166,3 +167,11 @@ def _entrypoint_factory(
         return RolloutHarness(client, tokenizer, max_turns, **settings)
 
     return factory, max_turns
+
+
+def env_build_error(spec: LLMEnvSpec, exc: Exception) -> EnvBuildError:
+    """The error for a rollout env that could not be built: the field to fix, the env, and
+    what its construction raised (with the env's file and line)."""
+    location = exception_location(exc)
+    at = f" (at {location})" if location else ""
+    return EnvBuildError(f"env.entrypoint: cannot build the env: {type(exc).__name__}: {exc}{at}")

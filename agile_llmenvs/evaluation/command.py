@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from agile_llmenvs.errors import AgileLLMEnvsError
-from agile_llmenvs.evaluation.results import BatchResult
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the command line imports this module for --help: torch only when it runs
     from agile_llmenvs.backends.types import Backend
     from agile_llmenvs.config import EnvironmentConfig, EvalConfig, ModelConfig, ResultsConfig
+    from agile_llmenvs.evaluation.results import BatchResult
 
 __all__ = ["format_table", "register", "run_eval_command"]
 
@@ -201,6 +201,8 @@ def _loader_bars_off_outside_a_terminal() -> Iterator[None]:
 
 
 def _report(results: Sequence[BatchResult], settings: ResultsConfig) -> dict[str, Any]:
+    from agile_llmenvs.evaluation.results import BatchResult
+
     merged = BatchResult.concat(results, "overall")
     return {
         "overall": merged.summary(),
@@ -214,6 +216,8 @@ def _report(results: Sequence[BatchResult], settings: ResultsConfig) -> dict[str
 def format_table(results: Sequence[BatchResult]) -> str:
     """A plain-text table: one row per environment, then the overall row (always, so a
     one-environment table has the same shape as any other)."""
+    from agile_llmenvs.evaluation.results import BatchResult
+
     rows = [r.summary() for r in results]
     rows.append(BatchResult.concat(results, "overall").summary())
     header = ("environment", "tasks", "accuracy", "mean reward", "mean steps", "errors")

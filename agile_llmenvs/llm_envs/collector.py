@@ -136,6 +136,11 @@ class RolloutCollector:
         """This rank's slots, ``batch_size * group_size`` (AgileRL's name of :attr:`num_slots`)."""
         return self.num_slots
 
+    def check_env(self) -> None:
+        """Build the first slot's env now (it plays that slot's first episode), so a mistake
+        in the env's construction fails while a run sets up rather than at its first step."""
+        self._harness(0)
+
     @property
     def envs(self) -> list[RolloutHarness]:
         """Every slot's harness, in slot order, building any slot's not built yet.

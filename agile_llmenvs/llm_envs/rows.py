@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from agile_llmenvs._quiet import quiet_datasets
 from agile_llmenvs.errors import AgileLLMEnvsError
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ def _read_path(path: Path) -> Any:
         )
     try:
         # Offline, or datasets pings the hub to count the load even for a local file
-        with _hub_offline():
+        with _hub_offline(), quiet_datasets():  # no "Generating train split" bar
             return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:
         raise DatasetError(
@@ -123,7 +124,7 @@ def _read_path(path: Path) -> Any:
 def _read_cached(name: str, field: str) -> Any:
     import datasets
 
-    with _hub_offline():
+    with _hub_offline(), quiet_datasets():
         try:
             return datasets.load_dataset(name)
         except Exception as exc:

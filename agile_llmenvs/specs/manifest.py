@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, Field, model_validator
 
+from agile_llmenvs._imports import add_import_folder, module_file
 from agile_llmenvs._yaml import safe_load
 from agile_llmenvs.errors import ManifestError
 from agile_llmenvs.specs._types import SPEC_CONFIG
@@ -305,6 +306,20 @@ class TrainingSpec(BaseModel):
     log_rollouts_count: int = Field(
         4, ge=1, description="GRPO: episodes written per logged step (the batch's first ones)."
     )
+    max_failed_fraction: float = Field(
+        0.25,
+        ge=0.0,
+        le=1.0,
+        description="GRPO: a step whose share of failed episodes (the env raised, lost its "
+        "connection or timed out) is above this is a failing step; `max_failed_steps` of them "
+        "in a row stop the run with exit 2, naming the first error (1.0: never stop). Failed "
+        "episodes score nothing and are left out of the update.",
+    )
+    max_failed_steps: int = Field(
+        3,
+        ge=1,
+        description="GRPO: failing steps in a row (see `max_failed_fraction`) that stop the run.",
+    )
     tensorboard: bool | None = Field(
         None,
         description="Also write every metric as a TensorBoard scalar to "
@@ -353,6 +368,13 @@ class TrainingSpec(BaseModel):
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute the decoder's activations in the backward pass."
+    )
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch's intra-op threads on CPU (None: one for a model under 1M "
+        "parameters, torch's default above, unless `OMP_NUM_THREADS` or `torch.set_num_threads` "
+        "chose); ignored on a GPU.",
     )
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
         "no",
@@ -496,8 +518,11 @@ def load_manifest(path: str | Path) -> RunManifest:
     """Read a run manifest from a ``.yaml``/``.yml`` or ``.json`` file.
 
     A relative path in the manifest is relative to the manifest's folder: the files a run
-    reads (data, rubric, env source, ``model.path``) are looked up there first, then in the
-    working directory; a relative ``training.output_dir`` is always there.
+    reads (data, rubric, env source, a rollout ``entrypoint``'s ``file.py``, ``model.path``)
+    are looked up there first, then in the working directory; a relative
+    ``training.output_dir`` is always there. A ``module:attr`` (entrypoint, factory, wrapper,
+    processor) whose module Python cannot find is imported from the manifest's folder, then
+    from the working directory (``sys.path`` is left as it is).
 
     Raises:
         FileNotFoundError: the file does not exist.
@@ -521,6 +546,7 @@ def load_manifest(path: str | Path) -> RunManifest:
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise ManifestError(f"{path}: not valid {suffix[1:].upper()}: {exc}") from exc
     manifest = RunManifest.model_validate(data)
+    add_import_folder(path.parent)
     return _resolve_relative_paths(manifest, path.parent)
 
 
@@ -558,6 +584,8 @@ def manifest_json_schema() -> dict[str, Any]:
 def absolute_paths(manifest: RunManifest) -> RunManifest:
     """``manifest`` with its relative paths made absolute against the working directory, the
     way a run opens them: each file it reads that exists there, and ``training.output_dir``.
+    A rollout ``entrypoint: module:attr`` whose module is a file imported from a manifest's
+    folder (not found on ``sys.path``) becomes that file's absolute ``path.py:attr``.
 
     A run stores its manifest so (see :mod:`agile_llmenvs.training.run_folder`), and compares
     a resumed run's by the files they name, not by how each spelled them.
@@ -566,7 +594,18 @@ def absolute_paths(manifest: RunManifest) -> RunManifest:
     def input_path(value: str) -> str | None:
         return str(Path(value).resolve()) if Path(value).exists() else None
 
-    return _map_paths(manifest, input_path, lambda value: str(Path(value).resolve()))
+    pinned = _map_paths(manifest, input_path, lambda value: str(Path(value).resolve()))
+    env = pinned.env
+    if not isinstance(env, LLMEnvSpec) or env.entrypoint is None or env.factory is not None:
+        return pinned
+    module, _, attr = env.entrypoint.partition(":")
+    found = module_file(module) if attr else None
+    if found is None:
+        return pinned
+    # a module found beside a manifest, not on sys.path: its file, which a run folder's
+    # manifest (elsewhere) still finds
+    update = {"entrypoint": f"{found}:{attr}"}
+    return pinned.model_copy(update={"env": env.model_copy(update=update)})
 
 
 def _resolve_relative_paths(manifest: RunManifest, base: Path) -> RunManifest:
@@ -600,6 +639,9 @@ def _map_paths(
 
     updates: dict[str, Any] = {}
     env_paths = rewritten(manifest.env, _PATH_FIELDS[type(manifest.env)])
+    entrypoint_file = _entrypoint_file(manifest.env)
+    if entrypoint_file is not None and (new_file := input_path(entrypoint_file[0])) is not None:
+        env_paths["entrypoint"] = f"{new_file}:{entrypoint_file[1]}"
     if env_paths:
         updates["env"] = manifest.env.model_copy(update=env_paths)
     model_paths = rewritten(manifest.model, _MODEL_PATH_FIELDS)
@@ -617,3 +659,12 @@ def _map_paths(
         if training_paths:
             updates["training"] = training.model_copy(update=training_paths)
     return manifest.model_copy(update=updates) if updates else manifest
+
+
+def _entrypoint_file(env: BaseModel) -> tuple[str, str] | None:
+    """The relative file and attribute of a rollout ``entrypoint`` ``file.py:attr``, if so."""
+    entrypoint = getattr(env, "entrypoint", None) if isinstance(env, LLMEnvSpec) else None
+    file, sep, attr = (entrypoint or "").rpartition(":")
+    if sep and file.endswith(".py") and not Path(file).is_absolute():
+        return file, attr
+    return None

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from agile_llmenvs._quiet import quiet_transformers
 from agile_llmenvs.errors import CheckpointError
 from agile_llmenvs.training.lora import is_lora
 from agile_llmenvs.training.sharding import is_sharded
@@ -150,7 +151,8 @@ def _save(
     _save_synced(state, partial / _RANK_FILE.format(rank=accelerator.process_index))
     weights, optimizer_state = _full_state(model, optimizer)
     if main:
-        accelerator.unwrap_model(model).save_pretrained(partial / "model", state_dict=weights)
+        with quiet_transformers():  # no "Writing model shards" bar
+            accelerator.unwrap_model(model).save_pretrained(partial / "model", state_dict=weights)
         tokenizer.save_pretrained(partial / "model")
         trainer: dict[str, Any] = {"step": step, "optimizer": optimizer_state}
         if scheduler is not None:

@@ -4,13 +4,12 @@ algorithm, quietly, and end with one line that sums the run up."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from pydantic import ValidationError
 
 from agile_llmenvs.errors import AgileLLMEnvsError
 
@@ -18,7 +17,7 @@ if TYPE_CHECKING:  # the command line imports this module; torch only when it tr
     from agile_llmenvs.specs import RunManifest
     from agile_llmenvs.training.common import TrainResult
 
-__all__ = ["register", "run_train_command", "summary_line"]
+__all__ = ["evaluate_hint", "register", "run_train_command", "summary_line"]
 
 # The metric a run's summary averages over its last tenth of steps, and its label.
 _SUMMARY_METRIC = {"grpo": ("reward_mean", "mean reward"), "sft": ("loss", "mean loss")}
@@ -53,35 +52,67 @@ def run_train_command(args: argparse.Namespace) -> int:
     from agile_llmenvs.specs import load_manifest
     from agile_llmenvs.training import train_dpo, train_grpo, train_sft
     from agile_llmenvs.training.progress import quiet_libraries
+    from agile_llmenvs.validation import problem_lines, validate_file
 
     started = time.monotonic()
-    try:
-        manifest = load_manifest(args.manifest)
-    except ValidationError as exc:
-        print(f"error {args.manifest}: {exc.error_count()} problem(s)", file=sys.stderr)
-        for error in exc.errors():
-            where = ".".join(str(part) for part in error["loc"]) or "(manifest)"
-            print(f"  {where}: {error['msg']}", file=sys.stderr)
+    # validate's checks and words first (the env is built once, by the run's own setup)
+    with nullcontext() if getattr(args, "debug", False) else quiet_libraries():
+        checked = validate_file(args.manifest, build=False)
+    if checked.kind != "run manifest":
+        print(f"error {args.manifest}: an eval config, not a run manifest", file=sys.stderr)
         return 2
-    except (OSError, AgileLLMEnvsError) as exc:
-        print(f"error {args.manifest}: {exc}", file=sys.stderr)
+    if not checked.ok:
+        print("\n".join(problem_lines(checked)), file=sys.stderr)
         return 2
+    manifest = load_manifest(args.manifest)
     if manifest.training is None:
         print(f"error {args.manifest}: no `training` section to run", file=sys.stderr)
         return 2
     train = {"grpo": train_grpo, "sft": train_sft, "dpo": train_dpo}[manifest.training.algorithm]
     with nullcontext() if getattr(args, "debug", False) else quiet_libraries():
         result = train(manifest, resume=args.resume, overwrite=args.overwrite)
-    print(summary_line(result, manifest, args.manifest, time.monotonic() - started))
+    evaluate = None if result.stopped_by is not None else evaluate_hint(result, manifest)
+    print(summary_line(result, manifest, args.manifest, time.monotonic() - started, evaluate))
     return 0
 
 
+def evaluate_hint(result: TrainResult, manifest: RunManifest) -> str:
+    """Write the finished run's eval config, ``<output_dir>/eval.yaml`` (on the main process
+    only; a resume that found the run complete touches nothing, and writes the file only when
+    the run has none), and return the sentence that says how to run it, or why there is none."""
+    from agile_llmenvs.training.eval_config import (
+        EVAL_CONFIG,
+        unevaluable_reason,
+        write_eval_config,
+    )
+
+    path = Path(result.output_dir) / EVAL_CONFIG
+    reason = unevaluable_reason(manifest)
+    written = result.already_complete and path.is_file()
+    if reason is None and not written and os.environ.get("RANK", "0") == "0":
+        try:
+            write_eval_config(manifest, result)
+        except (OSError, AgileLLMEnvsError) as exc:
+            reason = f"writing {path} failed: {exc}"
+    if reason is None:
+        return f"Evaluate with: agile-llmenvs eval {path}"
+    model = Path(result.checkpoint_dir or result.output_dir)
+    return (
+        f"No eval config written: {reason}; evaluate with one of yours: "
+        f"agile-llmenvs eval CONFIG.yaml --model {model}"
+    )
+
+
 def summary_line(
-    result: TrainResult, manifest: RunManifest, manifest_path: Path, wall_s: float
+    result: TrainResult,
+    manifest: RunManifest,
+    manifest_path: Path,
+    wall_s: float,
+    evaluate: str | None = None,
 ) -> str:
     """The last line of ``train``: the steps, the wall time, the mean reward (GRPO) or loss
     (SFT, DPO) over the last tenth of the run's steps, where its files are, and what to run
-    next (evaluate it, or resume it)."""
+    next: ``evaluate`` (:func:`evaluate_hint`'s sentence), or, for a stopped run, resume it."""
     from agile_llmenvs.training.metrics import tail_mean
 
     assert manifest.training is not None  # the command checked
@@ -94,8 +125,9 @@ def summary_line(
     if mean is not None:
         span = f"step {mean.last}" if mean.first == mean.last else f"steps {mean.first}-{mean.last}"
         measured = f", {label} {mean.value:.4g} over {span}"
-    model = Path(result.checkpoint_dir or result.output_dir)
-    evaluate = f"Evaluate with: agile-llmenvs eval CONFIG.yaml --model {model}"
+    if evaluate is None:
+        model = Path(result.checkpoint_dir or result.output_dir)
+        evaluate = f"Evaluate with: agile-llmenvs eval CONFIG.yaml --model {model}"
     if result.already_complete:
         return (
             f"{result.output_dir} is already complete at step {result.steps} of {max_steps}"

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from agile_llmenvs._quiet import quiet_transformers
 from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.specs import ModelSpec, RunManifest, TrainingSpec
 from agile_llmenvs.training.learner import Learner
@@ -89,10 +90,11 @@ def load_policy(spec: ModelSpec) -> tuple[Any, Any]:
 
     from agile_llmenvs.tiny_vlm import is_vision_model
 
-    path = model_dir(spec)
-    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path or path)
-    auto_class = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
-    model = auto_class.from_pretrained(path, dtype=getattr(torch, spec.dtype))
+    with quiet_transformers():  # no "Writing model shards" (a first build), "Loading weights"
+        path = model_dir(spec)
+        tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path or path)
+        auto_class = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
+        model = auto_class.from_pretrained(path, dtype=getattr(torch, spec.dtype))
     return model, tokenizer
 
 

@@ -31,6 +31,7 @@ from agile_llmenvs.training.common import (
     TrainResult,
     training_spec,
 )
+from agile_llmenvs.training.env_failures import EnvFailures
 from agile_llmenvs.training.grpo_setup import GRPORun, setup_run, step_seed
 from agile_llmenvs.training.grpo_update import grpo_update
 from agile_llmenvs.training.held_out import EVAL_METRICS
@@ -101,6 +102,9 @@ def train_grpo(
     plan = plan_run(manifest, resume=resume, overwrite=overwrite)
     try:
         return _run(manifest, plan, resume)
+    except BaseException:
+        plan.abandon()  # a run that never finished a step leaves the folder as it was
+        raise
     finally:
         plan.release()
 
@@ -157,17 +161,23 @@ def _train(
         )
     history: list[dict[str, float]] = []
     progress = Progress("grpo", start=run.start_step, total=config.max_steps, enabled=main)
+    failures = EnvFailures(config.max_failed_fraction, config.max_failed_steps, report=main)
+    episodes = config.batch_size * config.group_size
     try:
         for step in range(run.start_step, config.max_steps):
             step_rng = step_seed(seed, step, run.accelerator.process_index)
-            row = _step(run, config, step + 1, step_rng, rollouts)
+            row = _step(run, config, step + 1, step_rng, rollouts, failures)
             row.update(_evaluate(run, step + 1))
             history.append(row)
             if writer is not None:
                 writer.write(row)
             if (step + 1) % config.log_every == 0:
-                progress.show(reward=row["reward_mean"], loss=row["loss"])
+                shown = {"reward": row["reward_mean"], "loss": row["loss"]}
+                if failures.seen:  # once the env has failed, the share of each step
+                    shown["failed"] = row["failed_episodes"] / episodes
+                progress.show(**shown)
             progress.advance()
+            failures.check(step + 1, int(row["failed_episodes"]), episodes)
             if stop.requested(run.accelerator):
                 break
             last = step + 1 == config.max_steps  # the final save follows
@@ -189,11 +199,16 @@ def _evaluate(run: GRPORun, step: int) -> dict[str, float]:
 
 
 def _step(
-    run: GRPORun, config: TrainingSpec, step: int, seed: int, rollouts: RolloutLog | None = None
+    run: GRPORun,
+    config: TrainingSpec,
+    step: int,
+    seed: int,
+    rollouts: RolloutLog | None = None,
+    failures: EnvFailures | None = None,
 ) -> dict[str, float]:
     """One GRPO step: collect, score, learn, and (vLLM) send the new weights to the engine
     or the servers; ``rollouts`` (the main process's) then logs a few episodes when the step
-    is due.
+    is due, and its failed ones always; ``failures`` reports new kinds of env failure.
 
     ``env_time_s`` is everything but generation, learning and the weight sync: the envs,
     the harness, the collector, advantages and batch building. With servers the rollouts
@@ -247,6 +262,8 @@ def _step(
     }
     if rollouts is not None:  # after the timings: decoding is not part of the step
         rollouts.maybe_write(step, rollout.trajectories)
+    if failures is not None:
+        failures.see(step, rollout.trajectories)
     return _step_row(run, step, rewards_GN, finished_GN, batch, rollout, measured, counts)
 
 

@@ -32,6 +32,7 @@ from agile_llmenvs.training.sampling import Sampler
 from agile_llmenvs.training.server_rollouts import ServerRollouts, server_backend
 from agile_llmenvs.training.server_sync import ServerWeightSync
 from agile_llmenvs.training.sharding import GenerationSync, is_sharded
+from agile_llmenvs.training.threads import set_cpu_threads
 from agile_llmenvs.training.vllm_engine import PolicyVLLMEngine
 
 __all__ = ["GRPORun", "setup_run", "step_seed"]
@@ -101,6 +102,7 @@ def setup_run(
     learner, tokenizer = prepare_policy(manifest, config, total_steps=total_steps)
     accelerator = learner.accelerator
     policy = accelerator.unwrap_model(learner.model)
+    set_cpu_threads(policy, config.cpu_threads, accelerator.device)
     reference = reference_model(policy, accelerator.device) if config.beta else None
     text_config = policy.config.get_text_config()
     max_model_len = manifest.model.max_model_len or text_config.max_position_embeddings
@@ -255,6 +257,7 @@ def _make_collector(
     """This rank's collector over the manifest's rollout env, and the env's turn budget
     (``processor``: a vision-language policy's, which the envs' images are shown to)."""
     from agile_llmenvs.envs import make_rollout_env_factory
+    from agile_llmenvs.envs.rollout import env_build_error
 
     env_spec = manifest.env
     assert isinstance(env_spec, LLMEnvSpec)  # the manifest validator pairs grpo with rollout
@@ -263,14 +266,19 @@ def _make_collector(
             f"training.generation_backend {config.generation_backend!r} generates from ids "
             "alone, but the policy is a vision-language model: use generation_backend: hf"
         )
-    env_factory, max_turns = make_rollout_env_factory(
-        env_spec,
-        tokenizer,
-        max_model_len=max_model_len,
-        max_output_tokens=config.max_new_tokens,
-        seed=manifest.seed,
-        vision_processor=processor,
-    )
+    try:  # the env's own constructor may raise anything: a wrong env_config key, say
+        env_factory, max_turns = make_rollout_env_factory(
+            env_spec,
+            tokenizer,
+            max_model_len=max_model_len,
+            max_output_tokens=config.max_new_tokens,
+            seed=manifest.seed,
+            vision_processor=processor,
+        )
+    except AgileLLMEnvsError:
+        raise
+    except Exception as exc:
+        raise env_build_error(env_spec, exc) from exc
     collector = RolloutCollector(
         env_factory,
         config.batch_size,
@@ -280,4 +288,12 @@ def _make_collector(
         world_size=accelerator.num_processes,
         adaptive_task_sampling=env_spec.adaptive_task_sampling,
     )
+    try:
+        collector.check_env()
+    except AgileLLMEnvsError:
+        collector.close()
+        raise
+    except Exception as exc:
+        collector.close()
+        raise env_build_error(env_spec, exc) from exc
     return collector, max_turns

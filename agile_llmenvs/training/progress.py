@@ -2,16 +2,18 @@
 
 In a terminal the progress is a ``tqdm`` bar on stderr. Anywhere else (a log file, a CI job,
 a captured pipe) a bar's carriage returns pile up into one huge line, so it is a plain line
-every :data:`PROGRESS_INTERVAL_S` seconds instead, plus the first and the last step.
+every :data:`PROGRESS_INTERVAL_S` seconds instead, plus the first and the last step. Other
+libraries' bars are off while the policy loads and saves (:func:`quiet_libraries`; the
+command line turns them off for the whole run).
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, TextIO
+
+from agile_llmenvs._quiet import quiet_libraries
 
 __all__ = ["PROGRESS_INTERVAL_S", "Progress", "quiet_libraries"]
 
@@ -89,54 +91,3 @@ class Progress:
 def _is_terminal(stream: TextIO) -> bool:
     isatty = getattr(stream, "isatty", None)
     return bool(isatty and isatty())
-
-
-@contextmanager
-def quiet_libraries() -> Iterator[None]:
-    """Turn off the progress bars and below-error logs of ``transformers``, ``datasets`` and
-    ``huggingface_hub`` ("Loading weights", "Generating train split", "Writing model
-    shards") inside the context; each library's settings are restored after it."""
-    import huggingface_hub.utils as hub
-    from transformers.utils import logging as transformers_logging
-
-    hub_bars = not hub.are_progress_bars_disabled()
-    transformers_bars = transformers_logging.is_progress_bar_enabled()
-    transformers_level = transformers_logging.get_verbosity()
-    transformers_logging.disable_progress_bar()  # hub's bars too
-    transformers_logging.set_verbosity_error()
-    restore_datasets = _quiet_datasets()
-    try:
-        yield
-    finally:
-        restore_datasets()
-        transformers_logging.set_verbosity(transformers_level)
-        if transformers_bars:
-            transformers_logging.enable_progress_bar()
-        if hub_bars:
-            hub.enable_progress_bars()
-        else:
-            hub.disable_progress_bars()
-
-
-def _quiet_datasets() -> Any:
-    """Quiet ``datasets`` (when installed); returns what restores it."""
-    try:
-        from datasets.utils import (
-            are_progress_bars_disabled,
-            disable_progress_bars,
-            enable_progress_bars,
-        )
-        from datasets.utils import logging as datasets_logging
-    except ImportError:
-        return lambda: None
-    bars = not are_progress_bars_disabled()
-    level = datasets_logging.get_verbosity()
-    disable_progress_bars()
-    datasets_logging.set_verbosity_error()
-
-    def restore() -> None:
-        datasets_logging.set_verbosity(level)
-        if bars:
-            enable_progress_bars()
-
-    return restore

@@ -1,7 +1,9 @@
 """A few of a run's episodes, token-exact, to look at: ``output_dir/rollouts.jsonl``.
 
 Every ``log_rollouts_every`` steps the GRPO trainer's main process appends the first
-``log_rollouts_count`` episodes of its batch, one JSON object a line::
+``log_rollouts_count`` episodes of its batch, and at every step each episode whose env failed
+(so a broken env's episodes are there to look at, whatever the settings), one JSON object a
+line::
 
     {"step": 10, "group": 0, "slot": 0, "task": {"seed": 7, "row_index": 3},
      "reward": 1.0, "rewards": [1.0], "stop_reason": "terminated",
@@ -46,12 +48,13 @@ _SOURCES = {PROMPT: "prompt", SAMPLED: "sampled", ENV: "env"}
 
 
 class RolloutLog:
-    """Appends the first ``count`` episodes of every ``every``-th step to ``path``.
+    """Appends the first ``count`` episodes of every ``every``-th step to ``path``, and the
+    failed episodes of every step.
 
     Args:
         path: The JSON-lines file.
         tokenizer: The policy's tokenizer, to decode the spans.
-        every: Steps between logged batches (0: none).
+        every: Steps between logged batches (0: none; failed episodes are still logged).
         count: Episodes logged per logged step.
         resume_step: The step a resumed run continues from: lines up to it are kept, later
             ones (a run that went on past its last checkpoint) dropped. ``None`` starts over.
@@ -77,14 +80,17 @@ class RolloutLog:
         return self.every > 0 and step % self.every == 0
 
     def maybe_write(self, step: int, trajectories: Sequence[Trajectory]) -> None:
-        """Append the first ``count`` of ``trajectories`` when ``step`` is due."""
-        if not self.due(step):
+        """Append the first ``count`` of ``trajectories`` when ``step`` is due, then the
+        failed ones among the rest (all of them when it is not), in batch order."""
+        shown = self.count if self.due(step) else 0
+        logged = [t for i, t in enumerate(trajectories) if i < shown or t.failed]
+        if not logged:
             return
         lines = [
             json.dumps(
                 episode_record(step, t, self.tokenizer), separators=(",", ":"), ensure_ascii=False
             )
-            for t in trajectories[: self.count]
+            for t in logged
         ]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as file:

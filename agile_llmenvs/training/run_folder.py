@@ -43,6 +43,7 @@ from agile_llmenvs.training.metrics import TENSORBOARD_DIR
 from agile_llmenvs.training.rollout_log import ROLLOUTS_FILE
 
 __all__ = [
+    "EVAL_CONFIG",
     "RESUMABLE_CHANGES",
     "RUN_LOCK",
     "RUN_MANIFEST",
@@ -58,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 #: The manifest a run ran, in its folder.
 RUN_MANIFEST = "manifest.yaml"
+#: The eval config ``agile-llmenvs train`` writes for the run it finished, in its folder.
+EVAL_CONFIG = "eval.yaml"
 #: The fields a resumed run may change: how long it runs, where and how often it saves and
 #: logs, its held-out evaluation (which never touches the training sequence), and settings
 #: of memory and speed that leave the update as it is. Anything else changes the data, the
@@ -76,6 +79,7 @@ RESUMABLE_CHANGES = (
     "training.micro_batch_size",
     "training.logps_chunk_tokens",
     "training.gradient_checkpointing",
+    "training.cpu_threads",
     "training.vllm",
 )
 _METRICS = "metrics.csv"
@@ -90,6 +94,7 @@ _RUN_FILES = (
     RUN_MANIFEST,
     ROLLOUTS_FILE,
     "rollouts.html",
+    EVAL_CONFIG,
 )
 _CHECKPOINT_ENTRY = re.compile(rf"^{CHECKPOINT_PREFIX}\d+(\.partial|\.stale)?$")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
@@ -153,6 +158,8 @@ class RunPlan:
         overwrite: A fresh start that first removes the run the folder holds.
         complete: A resume of a run that already reached ``max_steps``: nothing to do.
         lock: The folder's lock, on the main process (:meth:`release` it when the run ends).
+        found: A fresh start's view of the folder before it: the names it held (``None``
+            when the folder did not exist, and for a resume).
     """
 
     output_dir: Path
@@ -160,11 +167,37 @@ class RunPlan:
     overwrite: bool = False
     complete: bool = False
     lock: RunFolderLock | None = None
+    found: frozenset[str] | None = None
 
     def release(self) -> None:
         """Release the folder's lock, if this process holds it."""
         if self.lock is not None:
             self.lock.release()
+
+    def abandon(self) -> None:
+        """After a fresh start failed before its first step: remove what it wrote, so the
+        folder is as it was found (the folder too, if the run made it) and a plain re-run
+        starts there. A run that finished a step keeps its files; so does a resume; an
+        overwrite's removed run stays removed.
+
+        Call it on the main process before :meth:`release`; other processes do nothing.
+        """
+        if self.lock is None or self.resume_from is not None:
+            return
+        if _metrics_rows(self.output_dir) or any(
+            _CHECKPOINT_ENTRY.match(entry.name) for entry in self.output_dir.iterdir()
+        ):
+            return  # a step's row, or a checkpoint: the run's record stays
+        found = frozenset() if self.overwrite else self.found or frozenset()
+        for entry in self.output_dir.iterdir():
+            if entry.name not in found and (
+                entry.name in _RUN_FILES or _CHECKPOINT_ENTRY.match(entry.name)
+            ):
+                _remove(entry)
+        if RUN_LOCK not in (self.found or ()):  # unlinked while held: no other run opened it
+            (self.output_dir / RUN_LOCK).unlink(missing_ok=True)
+        if self.found is None and not any(self.output_dir.iterdir()):
+            self.output_dir.rmdir()
 
     def complete_result(self) -> TrainResult:
         """What a complete run left behind, as a run that ran no step reports it."""
@@ -205,6 +238,7 @@ def plan_run(manifest: RunManifest, *, resume: bool, overwrite: bool) -> RunPlan
     # accelerate's launcher numbers its processes in RANK; only rank 0 writes the folder
     if os.environ.get("RANK", "0") != "0" or (resume and not output_dir.is_dir()):
         return _plan(manifest, output_dir, resume=resume, overwrite=overwrite)
+    found = frozenset(e.name for e in output_dir.iterdir()) if output_dir.is_dir() else None
     lock = RunFolderLock.acquire(output_dir)
     try:
         plan = _plan(manifest, output_dir, resume=resume, overwrite=overwrite)
@@ -214,7 +248,9 @@ def plan_run(manifest: RunManifest, *, resume: bool, overwrite: bool) -> RunPlan
     if plan.complete:
         lock.release()
         return plan
-    return RunPlan(plan.output_dir, plan.resume_from, plan.overwrite, plan.complete, lock)
+    return RunPlan(
+        plan.output_dir, plan.resume_from, plan.overwrite, plan.complete, lock, found=found
+    )
 
 
 def _plan(manifest: RunManifest, output_dir: Path, *, resume: bool, overwrite: bool) -> RunPlan:
@@ -321,14 +357,27 @@ def _run_files(output_dir: Path) -> list[str]:
     return ([_METRICS] if (output_dir / _METRICS).exists() else []) + checkpoints
 
 
+def _metrics_rows(output_dir: Path) -> bool:
+    """Whether the run's ``metrics.csv`` holds a step's row (more than its header)."""
+    try:
+        with (output_dir / _METRICS).open(encoding="utf-8") as file:
+            return len(file.readlines(1 << 16)) > 1
+    except FileNotFoundError:
+        return False
+
+
 def _remove_run(output_dir: Path) -> None:
     """Remove what a run writes in ``output_dir``; any other file there stays."""
     for entry in output_dir.iterdir():
         if entry.name in _RUN_FILES or _CHECKPOINT_ENTRY.match(entry.name):
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
+            _remove(entry)
+
+
+def _remove(entry: Path) -> None:
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry)
+    else:
+        entry.unlink()
 
 
 def _store_manifest(manifest: RunManifest, output_dir: Path) -> None:

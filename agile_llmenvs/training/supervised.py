@@ -31,6 +31,7 @@ from agile_llmenvs.training.logprobs import scored_token_logps
 from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
 from agile_llmenvs.training.progress import Progress
 from agile_llmenvs.training.run_folder import RunPlan, plan_run, start_run
+from agile_llmenvs.training.threads import set_cpu_threads
 
 __all__ = [
     "DatasetObjective",
@@ -134,6 +135,9 @@ def train_on_dataset(
     plan = plan_run(manifest, resume=resume, overwrite=overwrite)
     try:
         return _train(manifest, config, plan, name, metric_keys, make_objective)
+    except BaseException:
+        plan.abandon()  # a run that never finished a step leaves the folder as it was
+        raise
     finally:
         plan.release()
 
@@ -153,6 +157,7 @@ def _train(
     output_dir = plan.output_dir
     learner, tokenizer = prepare_policy(manifest, config, total_steps=config.max_steps)
     accelerator = learner.accelerator
+    set_cpu_threads(learner.model, config.cpu_threads, accelerator.device)
     start_run(plan, manifest, accelerator)
     objective = make_objective(accelerator.unwrap_model(learner.model), accelerator)
     env = _dataset_env(manifest, config, tokenizer, accelerator)

@@ -15,6 +15,7 @@ from agile_llmenvs.transport.protocol import (
     WireError,
     code_for_exception,
     error_from_wire,
+    exception_location,
     observation_frame,
     refuse_non_finite,
 )
@@ -207,6 +208,7 @@ class InProcessEnvClient:
                 "code": code_for_exception(exc),
                 "message": f"{type(exc).__name__}: {exc}",
                 "error_type": type(exc).__name__,
+                "location": exception_location(exc),
             }
             raise error_from_wire(message, url="in-process env") from exc
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sysconfig
+import traceback
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -23,6 +26,7 @@ __all__ = [
     "code_for_exception",
     "error_frame",
     "error_from_wire",
+    "exception_location",
     "observation_frame",
     "parse_message",
     "refuse_non_finite",
@@ -323,6 +327,46 @@ def error_from_wire(data: dict[str, Any], *, url: str) -> errors.EnvError:
                 where = ".".join(str(part) for part in error.get("loc", ()))
                 message += f"\n{where}\n  {error.get('msg', '')}"
     origin = data.get("error_type")
-    where = f" (raised as {origin} in the env)" if origin else ""
+    location = data.get("location")
+    at = f" at {location}" if isinstance(location, str) and location else " in the env"
+    where = f" (raised as {origin}{at})" if origin else ""
     cls = _ERROR_TYPES.get(code, errors.EnvError)
     return cls(f"{url}: {message}{where} [code {code}]", code=code)
+
+
+# Where an env's bug is not: this package's frames, and (unless nothing else is left) the
+# standard library's and installed packages'.
+_PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "")
+_LIBRARY_DIRS = tuple(
+    os.path.join(os.path.realpath(folder), "")
+    for folder in {sysconfig.get_paths().get(key) for key in ("stdlib", "purelib", "platlib")}
+    if folder
+)
+
+
+def exception_location(exc: BaseException) -> str | None:
+    """Where an env's exception was raised, as ``guess_env.py:12 in step``: the innermost
+    frame of its traceback outside this package, the standard library and installed
+    packages (else the innermost outside this package); ``None`` when there is none.
+
+    A file under the working directory is named relative to it.
+    """
+    frames = traceback.extract_tb(exc.__traceback__)
+    outside = [f for f in frames if not _under(f.filename, _PACKAGE_DIR)]
+    own = [f for f in outside if not any(_under(f.filename, d) for d in _LIBRARY_DIRS)]
+    chosen = own or outside
+    if not chosen:
+        return None
+    frame = chosen[-1]
+    filename = frame.filename
+    try:
+        relative = os.path.relpath(filename)
+    except ValueError:  # another drive
+        relative = filename
+    if not relative.startswith(os.pardir):
+        filename = relative
+    return f"{filename}:{frame.lineno} in {frame.name}"
+
+
+def _under(filename: str, folder: str) -> bool:
+    return os.path.realpath(filename).startswith(folder)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
+import inspect
 import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from packaging.requirements import InvalidRequirement, Requirement
@@ -21,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ensure_env_packages",
+    "env_config_mismatch",
     "env_factory",
     "load_entrypoint",
     "resolve_env",
@@ -31,15 +35,30 @@ __all__ = [
 _URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
 
 
-def load_entrypoint(path: str) -> Any:
+def load_entrypoint(path: str, *, field: str = "env.entrypoint") -> Any:
     """The object an entrypoint names: ``module:attr``, or ``path/to/file.py:attr`` (the
     attribute of that Python file, loaded as a gym manifest's ``path`` is).
+
+    A module Python cannot find is imported from the folder of a loaded manifest, then from
+    the working directory (:func:`~agile_llmenvs._imports.load_object`); a relative file is
+    opened from the working directory (a loaded manifest has already made the files next to
+    it absolute).
+
+    Args:
+        path: The entrypoint.
+        field: The setting that named it, named when its file does not exist.
 
     Raises:
         ImportPathError: the module, file or attribute does not exist.
     """
     file, sep, attr = path.rpartition(":")
     if sep and file.endswith(".py"):
+        if not Path(file).exists():
+            looked = "" if Path(file).is_absolute() else f"{Path(file).resolve()}; "
+            raise ImportPathError(
+                f"{field}: {file!r} does not exist (looked for {looked}a relative path in a "
+                "manifest is looked up next to the manifest, then in the working directory)"
+            )
         return load_object(attr, file=file)
     return load_object(path)
 
@@ -58,9 +77,11 @@ def spec_to_factory(spec: str) -> Callable[..., TextEnv]:
         target = load_entrypoint(spec)
     except ImportPathError as exc:
         text = str(exc)
+        if _is_file_target(spec):  # a file is no registry id
+            raise
         raise ImportPathError(
-            f"{text}{' ' if text.endswith(('.', '?')) else '. '}If {spec!r} is a registry id "
-            "rather than a 'module:Class' path, pass it as the entrypoint with a factory that "
+            f"{text}{' ' if text.endswith(('.', '?')) else '. '}If {spec!r} is a registry "
+            "id rather than a 'module:Class' path, pass it as the entrypoint with a factory that "
             "builds it, e.g. factory='gem:make'"
         ) from exc
     if not callable(target):
@@ -76,15 +97,80 @@ def env_factory(
     With ``factory``, the env is ``factory(entrypoint, **env_config)`` (a registry id handed
     to, say, ``gem:make``); without, ``entrypoint`` is a ``module:Class`` path called with
     ``**env_config``. Either path may name a Python file instead: ``path/to/envs.py:MyEnv``.
+
+    Raises:
+        ImportPathError: the entrypoint or factory does not resolve.
+
+    The callable raises :class:`EnvBuildError` naming ``env.env_config`` when the env's
+    constructor does not take the keyword arguments ``env_config`` holds (a key it does not
+    take, or one it needs that is missing); anything else the constructor raises is its own.
     """
     kwargs = dict(env_config or {})
     if factory is not None:
-        make = load_entrypoint(factory)
+        make = load_entrypoint(factory, field="env.factory")
         if not callable(make):
             raise ImportPathError(f"factory {factory!r} is not callable")
         return lambda: make(entrypoint, **kwargs)
     constructor = spec_to_factory(entrypoint)
-    return lambda: constructor(**kwargs)
+
+    def build() -> TextEnv:
+        try:
+            return constructor(**kwargs)
+        except TypeError as exc:
+            mismatch = env_config_mismatch(constructor, kwargs)
+            if mismatch is None:  # raised inside the constructor: its own error
+                raise
+            raise EnvBuildError(mismatch) from exc
+
+    return build
+
+
+def env_config_mismatch(constructor: Callable[..., Any], kwargs: Mapping[str, Any]) -> str | None:
+    """Why ``constructor(**kwargs)`` cannot be called, as a message naming ``env.env_config``;
+    None when it can (or its signature cannot be read)."""
+    try:
+        signature = inspect.signature(constructor)
+    except (TypeError, ValueError):  # a builtin without one
+        return None
+    try:
+        signature.bind(**kwargs)
+    except TypeError:
+        pass
+    else:
+        return None
+    takes = [
+        name
+        for name, parameter in signature.parameters.items()
+        if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+    ]
+    name = getattr(constructor, "__qualname__", repr(constructor))
+    listed = ", ".join(takes) if takes else "none"
+    unknown = [key for key in kwargs if key not in takes]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], takes, n=1)
+        fix = f"did you mean {close[0]!r}?" if close else "remove it, or fix its spelling"
+        return (
+            f"env.env_config: {unknown[0]!r} is not a keyword argument of {name} (it takes: "
+            f"{listed}); {fix}"
+        )
+    needed = [
+        key
+        for key, parameter in signature.parameters.items()
+        if parameter.default is parameter.empty
+        and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+        and key not in kwargs
+    ]
+    if needed:
+        return (
+            f"env.env_config: {name} needs the keyword argument {needed[0]!r}, which env_config "
+            "does not set; add it"
+        )
+    return None
+
+
+def _is_file_target(path: str) -> bool:
+    file, sep, _ = path.rpartition(":")
+    return bool(sep) and file.endswith(".py")
 
 
 def text_env_factory(

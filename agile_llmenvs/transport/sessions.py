@@ -35,6 +35,7 @@ from agile_llmenvs.transport.protocol import (
     WireError,
     code_for_exception,
     error_frame,
+    exception_location,
     observation_frame,
     parse_message,
     state_frame,
@@ -400,10 +401,12 @@ class SessionHost:
         except Discard:
             raise
         except Exception as exc:
+            location = exception_location(exc)  # the env author's file and line
             return error_frame(
                 code_for_exception(exc),
                 f"{type(exc).__name__}: {exc}",
                 error_type=type(exc).__name__,
+                **({"location": location} if location else {}),
             )
 
     async def _mcp(self, env: Environment, data: dict[str, Any], session_id: str | None) -> str:

@@ -134,6 +134,66 @@ def test_relative_paths_resolve_next_to_the_manifest(tmp_path: Path) -> None:
     assert env.targets == "missing.csv"  # not next to the manifest: left for the working dir
 
 
+def test_an_entrypoint_file_resolves_next_to_the_manifest_and_is_stored_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agile_llmenvs.specs.manifest import absolute_paths
+    from agile_llmenvs.transport.resolve import env_factory
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (project / "envs").mkdir(parents=True)
+    elsewhere.mkdir()
+    (project / "envs" / "coin.py").write_text(
+        "class CoinEnv:\n    def __init__(self, sides=2):\n        self.sides = sides\n"
+    )
+    (project / "run.yaml").write_text(
+        "env: {env_type: rollout, entrypoint: 'envs/coin.py:CoinEnv', env_config: {sides: 3}}\n"
+    )
+    monkeypatch.chdir(elsewhere)
+    manifest = load_manifest("../project/run.yaml")
+    env = manifest.env
+    assert isinstance(env, LLMEnvSpec)
+    assert env.entrypoint == "../project/envs/coin.py:CoinEnv"
+    stored = absolute_paths(manifest)  # as a run folder stores it
+    assert isinstance(stored.env, LLMEnvSpec)
+    assert stored.env.entrypoint == f"{project / 'envs' / 'coin.py'}:CoinEnv"
+    (elsewhere / "runs").mkdir()
+    dump_manifest(stored, elsewhere / "runs" / "manifest.yaml")
+    monkeypatch.chdir(tmp_path)  # a resume from the run folder, from anywhere
+    resumed = load_manifest(elsewhere / "runs" / "manifest.yaml").env
+    assert isinstance(resumed, LLMEnvSpec)
+    assert resumed.entrypoint is not None
+    assert env_factory(resumed.entrypoint, resumed.env_config)().sides == 3
+
+
+def test_a_module_beside_the_manifest_is_stored_as_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agile_llmenvs.specs.manifest import absolute_paths
+    from agile_llmenvs.transport.resolve import env_factory
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    (project / "stored_coin.py").write_text(
+        "class CoinEnv:\n    def __init__(self, sides=2):\n        self.sides = sides\n"
+    )
+    (project / "run.yaml").write_text(
+        "env: {env_type: rollout, entrypoint: 'stored_coin:CoinEnv', env_config: {sides: 5}}\n"
+    )
+    monkeypatch.chdir(elsewhere)
+    manifest = load_manifest(project / "run.yaml")
+    stored = absolute_paths(manifest)
+    assert isinstance(stored.env, LLMEnvSpec)
+    assert stored.env.entrypoint == f"{project / 'stored_coin.py'}:CoinEnv"
+    assert absolute_paths(load_manifest(project / "run.yaml")) == stored  # resumable: no change
+    dump_manifest(stored, elsewhere / "manifest.yaml")
+    resumed = load_manifest(elsewhere / "manifest.yaml").env
+    assert isinstance(resumed, LLMEnvSpec)
+    assert resumed.entrypoint is not None
+    assert env_factory(resumed.entrypoint, resumed.env_config)().sides == 5
+
+
 def test_load_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         load_manifest(tmp_path / "absent.yaml")

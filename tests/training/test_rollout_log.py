@@ -102,6 +102,32 @@ def test_log_writes_compact_lines_on_due_steps_only(tmp_path: Path) -> None:
     assert not silent.path.exists()
 
 
+def test_failed_episodes_are_logged_at_every_step(tmp_path: Path) -> None:
+    log = RolloutLog(tmp_path / ROLLOUTS_FILE, _Letters(), every=2, count=1)
+    episode = EpisodeData((_two_turns(),), (1.0,), StopReason.TERMINATED)
+    trajectories = [
+        Trajectory(0, 0, Task(seed=0), failed_episode("first")),
+        Trajectory(0, 1, Task(seed=0), episode),
+        Trajectory(0, 2, Task(seed=0), failed_episode("third")),
+    ]
+    for step in (1, 2):
+        log.maybe_write(step, trajectories)
+    records = [json.loads(line) for line in log.path.read_text().splitlines()]
+    # step 1 is not due: its failed episodes only; step 2 is: its first one, then the
+    # failed ones among the rest, in batch order
+    assert [(r["step"], r["slot"], r.get("error")) for r in records] == [
+        (1, 0, "first"),
+        (1, 2, "third"),
+        (2, 0, "first"),
+        (2, 2, "third"),
+    ]
+    silent = RolloutLog(tmp_path / "none.jsonl", _Letters(), every=0, count=4)
+    silent.maybe_write(3, trajectories[1:2])  # nothing failed, nothing due: no file
+    assert not silent.path.exists()
+    silent.maybe_write(4, trajectories[2:])
+    assert [json.loads(line)["slot"] for line in silent.path.read_text().splitlines()] == [2]
+
+
 def test_training_spec_defaults_and_bounds() -> None:
     spec = TrainingSpec(algorithm="grpo")
     assert (spec.log_rollouts_every, spec.log_rollouts_count) == (10, 4)

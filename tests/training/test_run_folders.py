@@ -262,8 +262,9 @@ def test_resume_of_a_complete_run_says_so_and_touches_nothing(
     loss = _column(here / SFT_RUN, "loss")[2]
     assert done.stdout.splitlines()[-1] == (
         f"runs/digits-sft is already complete at step 2 of 2, mean loss {loss:.4g} over step 2; "
-        "nothing was run (raise training.max_steps to train on). Evaluate with: agile-llmenvs "
-        "eval CONFIG.yaml --model runs/digits-sft/checkpoint-2"
+        "nothing was run (raise training.max_steps to train on). No eval config written: its "
+        "env is a dataset env (teacher-forced sft rows, no episodes to play); evaluate with one "
+        "of yours: agile-llmenvs eval CONFIG.yaml --model runs/digits-sft/checkpoint-2"
     )
     assert _snapshot(here / SFT_RUN) == before
 
@@ -279,8 +280,10 @@ def test_a_resume_further_appends_and_sums_up_what_it_ran(
     last = capsys.readouterr().out.splitlines()[-1]
     assert re.fullmatch(
         rf"trained 3 steps \(1 now, resumed at step 2\) in \d+\.\d s, mean loss "
-        rf"{re.escape(f'{loss:.4g}')} over step 3; files in runs/digits-sft\. Evaluate with: "
-        rf"agile-llmenvs eval CONFIG\.yaml --model runs/digits-sft/checkpoint-3",
+        rf"{re.escape(f'{loss:.4g}')} over step 3; files in runs/digits-sft\. No eval config "
+        rf"written: its env is a dataset env \(teacher-forced sft rows, no episodes to play\); "
+        rf"evaluate with one of yours: agile-llmenvs eval CONFIG\.yaml --model "
+        rf"runs/digits-sft/checkpoint-3",
         last,
     ), last
     stored = load_manifest(here / SFT_RUN / "manifest.yaml")
@@ -333,7 +336,7 @@ def test_train_outside_a_terminal_writes_lines_and_ends_with_the_summary(
     last = done.stdout.splitlines()[-1]
     assert re.fullmatch(
         rf"trained 20 steps in \d+\.\d s, mean reward {re.escape(f'{mean:.4g}')} over steps "
-        rf"19-20; files in runs/quickstart\. Evaluate with: agile-llmenvs eval CONFIG\.yaml "
-        rf"--model runs/quickstart/checkpoint-20",
+        rf"19-20; files in runs/quickstart\. Evaluate with: agile-llmenvs eval "
+        rf"runs/quickstart/eval\.yaml",
         last,
     ), last

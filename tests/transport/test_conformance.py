@@ -11,7 +11,9 @@ intended difference (docs/openenv.md, "Conformance") is tested on its own at the
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -393,12 +395,16 @@ def test_an_env_exception_names_its_type_where_create_app_sends_only_the_text(
             "type": "error",
             "data": {"message": "'k'", "code": "EXECUTION_ERROR"},
         }
+        line = inspect.getsourcelines(_Failing.step)[1] + 1  # the line of the raise
+        where = os.path.relpath(__file__)  # a file under the working folder: relative to it
+        where = __file__ if where.startswith(os.pardir) else where
         assert ws_frames(ours.url, frames)[1] == {
             "type": "error",
             "data": {
                 "message": "KeyError: 'k'",
                 "code": "EXECUTION_ERROR",
                 "error_type": "KeyError",
+                "location": f"{where}:{line} in step",
             },
         }
 

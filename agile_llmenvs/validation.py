@@ -397,17 +397,12 @@ def _one_env_built(spec: LLMEnvSpec, seed: int) -> Callable[[], object]:
     """A check that one env of an entrypoint spec builds, as training builds it, and closes."""
 
     def check() -> None:
+        from agile_llmenvs.envs.rollout import building
         from agile_llmenvs.transport.resolve import text_env_factory
 
         make_env = text_env_factory(spec, seed=seed)
-        try:
+        with building(spec):  # the env's own constructor: in training's words
             env = make_env()
-        except AgileLLMEnvsError:
-            raise
-        except Exception as exc:  # the env's own constructor: in training's words
-            from agile_llmenvs.envs.rollout import env_build_error
-
-            raise env_build_error(spec, exc) from exc
         close = getattr(env, "close", None)
         if callable(close):
             close()

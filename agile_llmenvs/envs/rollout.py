@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
-from agile_llmenvs.errors import EnvBuildError
+from agile_llmenvs.errors import AgileLLMEnvsError, EnvBuildError
 from agile_llmenvs.llm_envs.from_spec import env_turn_budget, served_turn_budget, spec_settings
 from agile_llmenvs.llm_envs.harness import RolloutHarness
 from agile_llmenvs.llm_envs.rubric import RubricEnv, load_rubric
@@ -18,7 +19,7 @@ from agile_llmenvs.transport.protocol import exception_location
 from agile_llmenvs.transport.remote import RemoteEnvClient
 from agile_llmenvs.transport.resolve import ensure_env_packages, env_factory
 
-__all__ = ["env_build_error", "make_rollout_env_factory"]
+__all__ = ["building", "env_build_error", "make_rollout_env_factory"]
 
 HarnessFactory = Callable[[], RolloutHarness]
 
@@ -170,8 +171,21 @@ def _entrypoint_factory(
 
 
 def env_build_error(spec: LLMEnvSpec, exc: Exception) -> EnvBuildError:
-    """The error for a rollout env that could not be built: the field to fix, the env, and
-    what its construction raised (with the env's file and line)."""
+    """The error for a rollout env that could not be built: the field to fix and what its
+    construction raised (with the env's file and line)."""
     location = exception_location(exc)
     at = f" (at {location})" if location else ""
     return EnvBuildError(f"env.entrypoint: cannot build the env: {type(exc).__name__}: {exc}{at}")
+
+
+@contextmanager
+def building(spec: LLMEnvSpec) -> Iterator[None]:
+    """Inside: building ``spec``'s envs. What an env's own constructor raises (a wrong
+    ``env_config`` key, say) leaves as :func:`env_build_error`; this library's errors as
+    they are."""
+    try:
+        yield
+    except AgileLLMEnvsError:
+        raise
+    except Exception as exc:
+        raise env_build_error(spec, exc) from exc

@@ -257,7 +257,7 @@ def _make_collector(
     """This rank's collector over the manifest's rollout env, and the env's turn budget
     (``processor``: a vision-language policy's, which the envs' images are shown to)."""
     from agile_llmenvs.envs import make_rollout_env_factory
-    from agile_llmenvs.envs.rollout import env_build_error
+    from agile_llmenvs.envs.rollout import building
 
     env_spec = manifest.env
     assert isinstance(env_spec, LLMEnvSpec)  # the manifest validator pairs grpo with rollout
@@ -266,7 +266,7 @@ def _make_collector(
             f"training.generation_backend {config.generation_backend!r} generates from ids "
             "alone, but the policy is a vision-language model: use generation_backend: hf"
         )
-    try:  # the env's own constructor may raise anything: a wrong env_config key, say
+    with building(env_spec):  # an env's constructor may raise anything: a wrong key, say
         env_factory, max_turns = make_rollout_env_factory(
             env_spec,
             tokenizer,
@@ -275,10 +275,6 @@ def _make_collector(
             seed=manifest.seed,
             vision_processor=processor,
         )
-    except AgileLLMEnvsError:
-        raise
-    except Exception as exc:
-        raise env_build_error(env_spec, exc) from exc
     collector = RolloutCollector(
         env_factory,
         config.batch_size,
@@ -289,11 +285,9 @@ def _make_collector(
         adaptive_task_sampling=env_spec.adaptive_task_sampling,
     )
     try:
-        collector.check_env()
-    except AgileLLMEnvsError:
+        with building(env_spec):
+            collector.check_env()  # the first env now: a mistake fails the setup, not step 1
+    except BaseException:
         collector.close()
         raise
-    except Exception as exc:
-        collector.close()
-        raise env_build_error(env_spec, exc) from exc
     return collector, max_turns

@@ -7,6 +7,8 @@ because that is what editors, CLIs and users of pydantic already understand.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "AgileLLMEnvsError",
     "BenchError",
@@ -73,14 +75,23 @@ class OptionalDependencyError(AgileLLMEnvsError, ImportError):
 
 
 class EnvError(AgileLLMEnvsError, RuntimeError):
-    """An env call failed; ``code`` is the wire error code when the server sent one."""
+    """An env call failed; ``code`` is the wire error code when the server sent one, and
+    ``field_errors`` the invalid fields of the message it refused (pydantic's error list:
+    ``loc``, ``msg``, ...), when it named them."""
 
     code: str = "EXECUTION_ERROR"
 
-    def __init__(self, message: str, *, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        field_errors: list[dict[str, Any]] | None = None,
+    ) -> None:
         super().__init__(message)
         if code is not None:
             self.code = code
+        self.field_errors = field_errors
 
 
 class EnvExecutionError(EnvError):

@@ -77,6 +77,10 @@ _TRAINING_PACKAGES: tuple[tuple[Callable[[TrainingSpec], bool], str, str, str, s
     (lambda t: t.lora is not None, "lora", "peft", "train", "LoRA adapters"),
     (lambda t: t.generation_backend == "vllm", "generation_backend", "vllm", "vllm", "vLLM"),
     (lambda t: t.tensorboard is True, "tensorboard", "tensorboard", "train", "TensorBoard"),
+    (lambda t: "tensorboard" in t.report_to, "report_to", "tensorboard", "train", "TensorBoard"),
+    (lambda t: "wandb" in t.report_to, "report_to", "wandb", "trackers", "W&B tracking"),
+    (lambda t: "mlflow" in t.report_to, "report_to", "mlflow", "trackers", "MLflow tracking"),
+    (lambda t: "trackio" in t.report_to, "report_to", "trackio", "", "Trackio tracking"),
 )
 
 

@@ -1,13 +1,32 @@
 """GEM envs (``gem-llm``, the ``envs`` extra) as text envs: ``factory: gem:make`` or this
-module's :func:`make` with a registry id such as ``game:GuessTheNumber-v0-easy``."""
+module's :func:`make` with a registry id such as ``game:GuessTheNumber-v0-easy``.
+
+GEM's word games (Wordle, Hangman, WordSearch) read the NLTK ``words`` corpus, and Wordle and
+Hangman call ``nltk.download`` in every constructor. :func:`make` checks the corpus first, so a
+missing one is a one-line :class:`~agile_llmenvs.errors.EnvBuildError` at build time naming the
+fix, and with the corpus installed their download call is skipped: building an env never
+reaches the network.
+"""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from agile_llmenvs.errors import EnvBuildError, OptionalDependencyError
 
-__all__ = ["GemTextEnv", "make"]
+__all__ = ["GemTextEnv", "make", "nltk_corpora_needed"]
+
+NLTK_CORPORA: dict[str, tuple[str, ...]] = {
+    "gem.envs.game_env.wordle": ("words",),
+    "gem.envs.game_env.hangman": ("words",),
+    "gem.envs.game_env.word_search": ("words",),
+}
+"""The NLTK corpora GEM's env modules load when an env is built, by module."""
+
+_NLTK_DOWNLOAD = threading.Lock()  # guards the swap of ``nltk.download``
 
 
 class GemTextEnv:
@@ -43,8 +62,10 @@ def make(env_id: str, **kwargs: Any) -> GemTextEnv:
     """Build GEM env ``env_id`` as a text env.
 
     Raises:
-        OptionalDependencyError: ``gem-llm`` is not installed.
-        EnvBuildError: GEM has no env ``env_id`` (or refuses ``kwargs``).
+        OptionalDependencyError: ``gem-llm``, or a package the env imports (``pylatexenc``
+            for the math envs), is not installed.
+        EnvBuildError: GEM has no env ``env_id`` (or refuses ``kwargs``), or the env needs an
+            NLTK corpus that is not installed.
     """
     try:
         import gem
@@ -52,7 +73,80 @@ def make(env_id: str, **kwargs: Any) -> GemTextEnv:
         raise OptionalDependencyError(
             "gem-llm", extra="envs", feature=f"GEM env {env_id!r}"
         ) from exc
+    corpora = nltk_corpora_needed(env_id)
+    for corpus in corpora:
+        _require_nltk_corpus(env_id, corpus)
     try:
-        return GemTextEnv(gem.make(env_id, **kwargs))
+        with _nltk_downloads_skipped(corpora):
+            return GemTextEnv(gem.make(env_id, **kwargs))
+    except ImportError as exc:
+        missing = _missing_module(exc)
+        if missing is None:
+            raise EnvBuildError(f"GEM could not build {env_id!r}: ImportError: {exc}") from exc
+        raise OptionalDependencyError(missing, extra="envs", feature=f"GEM env {env_id!r}") from exc
     except Exception as exc:
         raise EnvBuildError(f"GEM could not build {env_id!r}: {type(exc).__name__}: {exc}") from exc
+
+
+def nltk_corpora_needed(env_id: str) -> tuple[str, ...]:
+    """The NLTK corpora GEM env ``env_id`` loads when built (none for an unknown id)."""
+    from gem.envs.registration import ENV_REGISTRY
+
+    spec = ENV_REGISTRY.get(env_id)
+    if spec is None:
+        return ()
+    entry_point = spec.entry_point
+    module = (
+        entry_point.split(":")[0]
+        if isinstance(entry_point, str)
+        else getattr(entry_point, "__module__", "")
+    )
+    return NLTK_CORPORA.get(module, ())
+
+
+def _missing_module(exc: BaseException) -> str | None:
+    """The top-level module whose absence caused ``exc`` (GEM re-raises the import error of
+    an env's module as a plain ``ImportError``, the original in its context)."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        top = (getattr(cause, "name", None) or "").split(".")[0]
+        if isinstance(cause, ImportError) and top and top != "gem":
+            return top
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _require_nltk_corpus(env_id: str, corpus: str) -> None:
+    import nltk
+
+    try:
+        nltk.data.find(f"corpora/{corpus}")
+    except LookupError:
+        raise EnvBuildError(
+            f"{env_id} needs the NLTK corpus {corpus!r}, which is not installed: run python -m "
+            f"nltk.downloader {corpus}, or set NLTK_DATA to a folder that holds it"
+        ) from None
+
+
+@contextmanager
+def _nltk_downloads_skipped(present: tuple[str, ...]) -> Iterator[None]:
+    """Inside: ``nltk.download`` of a corpus in ``present`` (found installed) returns at once
+    instead of fetching NLTK's index over the network; anything else downloads as before."""
+    if not present:
+        yield
+        return
+    import nltk
+
+    with _NLTK_DOWNLOAD:
+        original = nltk.download
+
+        def download(info_or_id: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if info_or_id in present:
+                return True
+            return original(info_or_id, *args, **kwargs)
+
+        nltk.download = download
+        try:
+            yield
+        finally:
+            nltk.download = original

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from agile_llmenvs.errors import (
@@ -78,6 +79,10 @@ class HostedEnvClient:
             EnvHostError: the host dropped the session (it died); the episode is over.
         """
         return self._call(lambda session: session.step(text), "step")
+
+    def step_action(self, fields: Mapping[str, Any]) -> EnvReply:
+        """Send an action given by its fields (what an ``action_parser`` made of the text)."""
+        return self._call(lambda session: session.step_action(fields), "step")
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> EnvReply:
         """Call an MCP tool of the env."""

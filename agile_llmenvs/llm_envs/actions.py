@@ -7,6 +7,12 @@ format; every call runs, in order, and each result goes back in the template's t
 block is not a call. A malformed call reaches no tool: the turn scores
 ``malformed_tool_call_reward`` and the policy is told why.
 
+An action the env's action class refuses (text that is no ``int`` for an ``int`` field, say:
+the client's ``VALIDATION_ERROR`` naming the fields), or that the ``action_parser`` refuses
+with a ``ValueError``, is the policy's mistake, not the env's: an invalid turn that scores
+``invalid_action_reward`` and shows the policy which field was wrong and why
+(:data:`INVALID_ACTION_FEEDBACK`). The episode goes on. An env's own exception still fails it.
+
 The turn logic makes no env call itself (sans-IO): it is a generator (an :data:`EnvTurn`) that
 yields each env call as an :class:`EnvCall` value and receives the reply, or has the call's
 exception thrown in. Two thin drivers perform the calls: :func:`drive` on the client's blocking
@@ -23,7 +29,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from agile_llmenvs.errors import EnvError
+from agile_llmenvs.errors import EnvError, EnvProtocolError
 from agile_llmenvs.llm_envs.framing import ChatFramer
 from agile_llmenvs.llm_envs.image_framing import (
     PromptRenderer,
@@ -38,6 +44,7 @@ from agile_llmenvs.transport.images import ImageObservationError
 from agile_llmenvs.transport.types import EnvReply
 
 __all__ = [
+    "INVALID_ACTION_FEEDBACK",
     "MALFORMED_FEEDBACK",
     "ActionOutcome",
     "ActionPlayer",
@@ -53,6 +60,10 @@ MALFORMED_FEEDBACK = (
     "Error: your tool call could not be parsed ({reason}). Call a tool as "
     '<tool_call>{{"name": "...", "arguments": {{...}}}}</tool_call>.'
 )
+INVALID_ACTION_FEEDBACK = "Error: your action is not valid: {reason}"
+"""The observation of an invalid turn; ``reason`` names each invalid field and why
+(``guess: Input should be a valid integer, ...``, several joined by ``; ``) or is the
+``action_parser``'s ``ValueError`` message."""
 _DEFAULT_REASONING = ("<think>", "</think>")
 
 
@@ -157,7 +168,7 @@ class ActionOutcome:
     Attributes:
         reward: The turn's reward (the sum over its tool calls).
         info: Env metadata and the harness's keys (``tool_calls``, ``malformed_tool_call``,
-            ``action_error``, ``error``...).
+            ``invalid_action``, ``action_error``, ``error``...).
         observations: The messages the policy sees next (empty when the env failed).
         reply: The env's last reply (None when no env call was made or it failed).
     """
@@ -179,9 +190,10 @@ class ActionPlayer:
     Args:
         framer: The policy's chat framer (its template's tool role and reasoning block).
         observation_text: Turns an env reply into the text the policy reads.
-        config: The harness's settings (``mcp_tool``, ``action_field``,
+        config: The harness's settings (``mcp_tool``, ``action_field``, ``action_parser``,
             ``tool_call_parser``, ``strip_reasoning``, ``reasoning_delimiters``,
-            ``action_error_field``, ``malformed_tool_call_reward``).
+            ``action_error_field``, ``malformed_tool_call_reward``,
+            ``invalid_action_reward``).
         renderer: What the policy is shown of a reply: its images, decoded (an
             :class:`~agile_llmenvs.transport.images.ImageObservationError` for images it
             cannot show), and its info without them.
@@ -217,7 +229,14 @@ class ActionPlayer:
         config = self.config
         action = self.env_text(text)
         if not config.mcp_tool:
-            return (yield from self._send(EnvCall("step", (action,))))
+            if config.action_parser is None:
+                step = EnvCall("step", (action,))
+                return (yield from self._send(step, text_field=config.action_field))
+            try:
+                fields = dict(config.action_parser(action))
+            except ValueError as exc:  # the parser's refusal: the policy's mistake
+                return self._invalid(str(exc) or type(exc).__name__)
+            return (yield from self._send(EnvCall("step_action", (fields,))))
         parsed = parse_tool_calls(
             self.framer.decode(completion_ids, skip_special_tokens=False),
             config.tool_call_parser,
@@ -232,7 +251,12 @@ class ActionPlayer:
                 [{"role": "user", "content": feedback}],
             )
         if not parsed.calls:
-            arguments = {config.action_field: action}
+            arguments: dict[str, Any] = {config.action_field: action}
+            if config.action_parser is not None:
+                try:
+                    arguments = dict(config.action_parser(action))
+                except ValueError as exc:
+                    return self._invalid(str(exc) or type(exc).__name__)
             return (yield from self._send(EnvCall("call_tool", (config.mcp_tool, arguments))))
         return (yield from self._run_calls(parsed.calls))
 
@@ -260,11 +284,21 @@ class ActionPlayer:
             outcome.observations = [{"role": role, "content": text} for text in texts]
         return outcome
 
-    def _send(self, call: EnvCall) -> EnvTurn[ActionOutcome]:
-        """One env call; an env failure never reaches the caller as an exception."""
+    def _send(self, call: EnvCall, *, text_field: str | None = None) -> EnvTurn[ActionOutcome]:
+        """One env call; an env failure never reaches the caller as an exception.
+
+        An action the env's action class refuses is an invalid turn when the refusal is the
+        policy's: with the text sent in ``text_field``, only errors of that field's value
+        are (a missing or unknown field is the manifest's ``action_field`` not fitting the
+        action class: a failure); fields an ``action_parser`` made, or tool arguments, are
+        all the policy's.
+        """
         try:
             reply: EnvReply = yield call
         except EnvError as exc:
+            field_errors = exc.field_errors if isinstance(exc, EnvProtocolError) else None
+            if field_errors and _policy_errors(field_errors, text_field):
+                return self._invalid(_field_errors_text(field_errors))
             return ActionOutcome(0.0, {"error": f"{type(exc).__name__}: {exc}"})
         info = self.renderer.env_info(reply)
         field_name = self.config.action_error_field
@@ -282,6 +316,36 @@ class ActionPlayer:
             return ActionOutcome(reward, info, [], reply)
         content = with_images(self.observation_text(reply), images)
         return ActionOutcome(reward, info, [{"role": "user", "content": content}], reply)
+
+    def _invalid(self, reason: str) -> ActionOutcome:
+        """An invalid turn: ``reason`` is what the policy is shown; the env was not stepped."""
+        feedback = INVALID_ACTION_FEEDBACK.format(reason=reason)
+        return ActionOutcome(
+            self.config.invalid_action_reward,
+            {"invalid_action": reason},
+            [{"role": "user", "content": feedback}],
+        )
+
+
+def _policy_errors(field_errors: Sequence[Mapping[str, Any]], text_field: str | None) -> bool:
+    """Whether refused fields are the policy's mistake (see :meth:`ActionPlayer._send`)."""
+    if text_field is None:
+        return True
+    return all(
+        tuple(error.get("loc") or ())[:1] == (text_field,)
+        and error.get("type") not in ("missing", "extra_forbidden")
+        for error in field_errors
+    )
+
+
+def _field_errors_text(field_errors: Sequence[Mapping[str, Any]]) -> str:
+    """Each invalid field and why, as pydantic names them: ``guess: Input should be ...``."""
+    parts = []
+    for error in field_errors:
+        where = ".".join(str(part) for part in error.get("loc") or ())
+        message = str(error.get("msg") or "invalid")
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts)
 
 
 def _joined(contents: Sequence[Any]) -> Any:

@@ -11,7 +11,7 @@ from agile_llmenvs.specs import LLMEnvSpec
 from agile_llmenvs.transport._openenv import Environment
 from agile_llmenvs.transport.client import InProcessEnvClient
 from agile_llmenvs.transport.remote import RemoteEnvClient
-from agile_llmenvs.transport.resolve import ensure_env_packages, env_factory
+from agile_llmenvs.transport.resolve import ensure_env_packages, env_factory, load_entrypoint
 
 if TYPE_CHECKING:
     from agile_llmenvs.llm_envs.harness import RolloutHarness
@@ -49,6 +49,12 @@ def spec_settings(spec: LLMEnvSpec) -> dict[str, Any]:
         "image_field": spec.image_field,
         "restart_keep_turns": spec.restart_keep_turns,
         "action_error_field": spec.action_error_field,
+        "invalid_action_reward": spec.invalid_action_reward,
+        "action_parser": (
+            load_entrypoint(spec.action_parser, field="env.action_parser")
+            if spec.action_parser
+            else None
+        ),
     }
     return {key: value for key, value in settings.items() if value is not None}
 

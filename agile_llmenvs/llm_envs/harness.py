@@ -22,6 +22,7 @@ from typing import Any
 from agile_llmenvs.core.images import SampleImages
 from agile_llmenvs.errors import EnvProtocolError, EnvStateError
 from agile_llmenvs.llm_envs.actions import (
+    INVALID_ACTION_FEEDBACK,
     MALFORMED_FEEDBACK,
     ActionPlayer,
     AsyncEnvCalls,
@@ -43,7 +44,7 @@ from agile_llmenvs.transport.client import EnvClientProtocol, InProcessEnvClient
 from agile_llmenvs.transport.remote import RemoteEnvClient
 from agile_llmenvs.transport.types import EnvReply
 
-__all__ = ["MALFORMED_FEEDBACK", "HarnessConfig", "RolloutHarness"]
+__all__ = ["INVALID_ACTION_FEEDBACK", "MALFORMED_FEEDBACK", "HarnessConfig", "RolloutHarness"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ class HarnessConfig:
         reasoning_delimiters: The reasoning block's open and close (None: the template's,
             ``<think>`` / ``</think>``).
         action_field: Action field (or MCP argument) carrying the text.
+        action_parser: Turns the action text into the action's fields (or an MCP tool's
+            arguments), instead of putting the text into ``action_field``; a ``ValueError``
+            it raises makes the turn invalid, its message the feedback.
         observation_field: Observation field holding the prompt text (None: what
             :attr:`EnvReply.prompt` picks: ``prompt``, an MCP tool's result, or the one
             string field of a structured observation).
@@ -96,6 +100,9 @@ class HarnessConfig:
         action_error_field: Observation (or info) field where the env reports an invalid
             action; its value is recorded in ``info["action_error"]``.
         malformed_tool_call_reward: Reward of a turn whose tool call could not be parsed.
+        invalid_action_reward: Reward of a turn whose action the env's action class (or
+            ``action_parser``) refused: the policy is shown which field was wrong and why,
+            and the episode goes on.
     """
 
     max_turns: int = 1
@@ -105,6 +112,7 @@ class HarnessConfig:
     strip_reasoning: bool | None = None
     reasoning_delimiters: tuple[str, str] | None = None
     action_field: str = "message"
+    action_parser: Callable[[str], Mapping[str, Any]] | None = None
     observation_field: str | None = None
     observation_processor: Callable[[Any], str] | None = None
     instruction: str = ""
@@ -122,6 +130,7 @@ class HarnessConfig:
     restart_keep_turns: int = 0
     action_error_field: str = ""
     malformed_tool_call_reward: float = 0.0
+    invalid_action_reward: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_model_len", "segment_prompt_tokens", "segment_max_images"):
@@ -177,6 +186,13 @@ class RolloutHarness:
         ):
             env_client = RemoteEnvClient(
                 env_client, timeout_s=self.config.timeout_s, action_field=self.config.action_field
+            )
+        if self.config.action_parser is not None and not (
+            self.config.mcp_tool or hasattr(env_client, "step_action")
+        ):
+            raise ValueError(
+                f"action_parser needs a client that sends actions by their fields; "
+                f"{type(env_client).__name__} has no step_action"
             )
         self.client: Any = env_client
         processor = self.config.vision_processor

@@ -133,6 +133,13 @@ class LLMEnvSpec(BaseModel):
     action_error_field: str = Field(
         "", description="Observation field in which the env reports an invalid action."
     )
+    invalid_action_reward: float = Field(
+        0.0,
+        allow_inf_nan=False,
+        description="Reward of a turn whose action the env's action class (or "
+        "`action_parser`) refuses: the policy is shown which field was wrong and why, and "
+        "the episode goes on.",
+    )
     strict_chat_template_boundary: bool | None = _d(
         "Raise when the tokenizer has no chat template (default: warn and frame as ChatML)."
     )
@@ -165,6 +172,13 @@ class LLMEnvSpec(BaseModel):
     )
     action_field: str | None = Field(
         None, min_length=1, description="Action field the model's text is sent in."
+    )
+    action_parser: str | None = Field(
+        None,
+        pattern=r"^[^:]+:[^:]+$",
+        description="`module:attr` or `path/to/file.py:attr` callable turning the model's "
+        "text into the action's fields (a dict), used instead of `action_field`; a "
+        "`ValueError` it raises makes the turn invalid, its message the feedback.",
     )
     request_timeout_s: float | None = Field(
         None, ge=0.0, description="Seconds an env request may take."

@@ -325,6 +325,16 @@ class TrainingSpec(BaseModel):
         description="Also write every metric as a TensorBoard scalar to "
         "`output_dir/tensorboard/` (unset: when tensorboard is installed; true: require it).",
     )
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        default_factory=list,
+        description="Experiment trackers each step's metrics also go to, as TRL's `report_to` "
+        "(each needs its package; docs/training.md#experiment-trackers): W&B offline unless "
+        "`WANDB_MODE` or `WANDB_API_KEY` is set, MLflow to `output_dir/mlruns` unless "
+        "`MLFLOW_TRACKING_URI` is set; `tensorboard` is `tensorboard: true`.",
+    )
+    run_name: str | None = Field(
+        None, min_length=1, description="The trackers' run name (unset: the manifest's `name`)."
+    )
     lora: LoRASpec | None = Field(
         None, description="Train LoRA adapters instead of every weight (needs `peft`)."
     )
@@ -412,6 +422,14 @@ class TrainingSpec(BaseModel):
         if isinstance(data, dict) and "scale_advantages" in data:
             raise fail("scale_advantages", "renamed scale_rewards: true -> group, false -> none")
         return data
+
+    @model_validator(mode="after")
+    def _check_report_to(self) -> TrainingSpec:
+        if len(set(self.report_to)) < len(self.report_to):
+            raise fail("report_to", f"names a tracker twice: {self.report_to}")
+        if "tensorboard" in self.report_to and self.tensorboard is False:
+            raise fail("report_to", "names tensorboard, but `tensorboard: false`: drop one")
+        return self
 
     @model_validator(mode="after")
     def _check_generation(self) -> TrainingSpec:

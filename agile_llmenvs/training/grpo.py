@@ -42,6 +42,7 @@ from agile_llmenvs.training.policy_batch import PolicyBatch, build_policy_batch
 from agile_llmenvs.training.progress import Progress
 from agile_llmenvs.training.rollout_log import ROLLOUTS_FILE, RolloutLog
 from agile_llmenvs.training.run_folder import RunPlan, plan_run, start_run
+from agile_llmenvs.training.trackers import open_trackers, tensorboard_setting
 
 __all__ = ["GRPO_METRICS", "PolicyBatch", "build_policy_batch", "train_grpo"]
 
@@ -150,7 +151,8 @@ def _train(
             output_dir / "metrics.csv",
             GRPO_METRICS,
             resume_step=run.start_step if resume else None,
-            tensorboard=config.tensorboard,
+            tensorboard=tensorboard_setting(config),
+            trackers=open_trackers(config, output_dir),
         )
         rollouts = RolloutLog(
             output_dir / ROLLOUTS_FILE,

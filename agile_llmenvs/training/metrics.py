@@ -1,4 +1,5 @@
-"""A run's per-step metrics: a CSV under a fixed header, TensorBoard scalars, and a plot."""
+"""A run's per-step metrics: a CSV under a fixed header, TensorBoard scalars, the run's
+experiment trackers (``training.report_to``), and a plot."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agile_llmenvs.errors import OptionalDependencyError
 from agile_llmenvs.training.checkpoint import disk_full_error
+
+if TYPE_CHECKING:
+    from agile_llmenvs.training.trackers import Trackers
 
 __all__ = [
     "TENSORBOARD_DIR",
@@ -32,7 +36,8 @@ _EVENT_FILE_PREFIX = "events.out.tfevents."
 
 class MetricsWriter:
     """Appends one CSV row per step under a fixed header (the stable metric keys), and writes
-    the same values as TensorBoard scalars (tag = key, step = the row's ``step``).
+    the same values as TensorBoard scalars (tag = key, step = the row's ``step``) and to the
+    run's experiment trackers.
 
     Args:
         path: The CSV file; event files go to ``path.parent / "tensorboard"``.
@@ -42,6 +47,8 @@ class MetricsWriter:
             starts both over.
         tensorboard: ``None`` writes scalars when ``tensorboard`` is installed (silently
             skipped when not); ``True`` requires it; ``False`` writes none.
+        trackers: The run's started trackers (:func:`~agile_llmenvs.training.trackers.
+            open_trackers`), each row logged to them; :meth:`close` finishes them.
 
     Raises:
         OptionalDependencyError: ``tensorboard=True`` and it is not installed.
@@ -54,15 +61,22 @@ class MetricsWriter:
         *,
         resume_step: int | None = None,
         tensorboard: bool | None = None,
+        trackers: Trackers | None = None,
     ) -> None:
         self.path, self.keys = path, list(keys)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None and path.exists():
-            _drop_rows_after(path, resume_step)
-        else:
-            with path.open("w", newline="", encoding="utf-8") as file:
-                csv.writer(file).writerow(self.keys)
-        self._scalars = _summary_writer(path.parent / TENSORBOARD_DIR, tensorboard, resume_step)
+        self._trackers = trackers
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None and path.exists():
+                _drop_rows_after(path, resume_step)
+            else:
+                with path.open("w", newline="", encoding="utf-8") as file:
+                    csv.writer(file).writerow(self.keys)
+            self._scalars = _summary_writer(path.parent / TENSORBOARD_DIR, tensorboard, resume_step)
+        except BaseException:
+            if trackers is not None:
+                trackers.finish()
+            raise
 
     def write(self, row: Mapping[str, float]) -> None:
         """Append ``row`` (every key of the header, nothing else); a NaN (a metric this step
@@ -84,12 +98,18 @@ class MetricsWriter:
             for key in self.keys:
                 if key != "step" and not math.isnan(row[key]):
                     self._scalars.add_scalar(key, float(row[key]), global_step=step)
+        if self._trackers is not None:
+            self._trackers.log({key: row[key] for key in self.keys})
 
     def close(self) -> None:
-        """Flush and close the event file (the CSV is written row by row)."""
+        """Flush and close the event file and finish the trackers (the CSV is written row by
+        row)."""
         if self._scalars is not None:
             self._scalars.close()
             self._scalars = None
+        if self._trackers is not None:
+            self._trackers.finish()
+            self._trackers = None
 
 
 def _drop_rows_after(path: Path, step: int) -> None:

@@ -73,6 +73,8 @@ RESUMABLE_CHANGES = (
     "training.keep_checkpoints",
     "training.log_every",
     "training.tensorboard",
+    "training.report_to",
+    "training.run_name",
     "training.eval_every",
     "training.eval_tasks",
     "training.eval_success_reward",
@@ -95,6 +97,8 @@ _RUN_FILES = (
     ROLLOUTS_FILE,
     "rollouts.html",
     EVAL_CONFIG,
+    "wandb",  # training.report_to's W&B runs and MLflow file store
+    "mlruns",
 )
 _CHECKPOINT_ENTRY = re.compile(rf"^{CHECKPOINT_PREFIX}\d+(\.partial|\.stale)?$")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")

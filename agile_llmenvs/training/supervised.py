@@ -32,6 +32,7 @@ from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
 from agile_llmenvs.training.progress import Progress
 from agile_llmenvs.training.run_folder import RunPlan, plan_run, start_run
 from agile_llmenvs.training.threads import set_cpu_threads
+from agile_llmenvs.training.trackers import open_trackers, tensorboard_setting
 
 __all__ = [
     "DatasetObjective",
@@ -169,31 +170,35 @@ def _train(
             output_dir / "metrics.csv",
             metric_keys,
             resume_step=start_step if resume else None,
-            tensorboard=config.tensorboard,
+            tensorboard=tensorboard_setting(config),
+            trackers=open_trackers(config, output_dir),
         )
 
     history: list[dict[str, float]] = []
     learner.model.train()
     progress = Progress(name, start=start_step, total=config.max_steps, enabled=main)
-    with StopRequest() as stop:
-        for step in range(start_step, config.max_steps):
-            row = _step(step, env, learner, objective, config, metric_keys)
-            history.append(row)
-            if writer is not None:
-                writer.write(row)
-            if (step + 1) % config.log_every == 0:
-                progress.show(loss=row["loss"])
-            progress.advance()
-            if stop.requested(accelerator):
-                break
-            last = step + 1 == config.max_steps  # the final save follows
-            if config.save_every and (step + 1) % config.save_every == 0 and not last:
-                _save(output_dir, step + 1, learner, tokenizer, env, config.keep_checkpoints)
-    progress.close()
-    done = start_step + len(history)
-    checkpoint_dir = _save(output_dir, done, learner, tokenizer, env, config.keep_checkpoints)
-    if writer is not None:
-        writer.close()
+    try:  # the metrics file and the trackers are closed however the loop ends
+        with StopRequest() as stop:
+            for step in range(start_step, config.max_steps):
+                row = _step(step, env, learner, objective, config, metric_keys)
+                history.append(row)
+                if writer is not None:
+                    writer.write(row)
+                if (step + 1) % config.log_every == 0:
+                    progress.show(loss=row["loss"])
+                progress.advance()
+                if stop.requested(accelerator):
+                    break
+                last = step + 1 == config.max_steps  # the final save follows
+                if config.save_every and (step + 1) % config.save_every == 0 and not last:
+                    _save(output_dir, step + 1, learner, tokenizer, env, config.keep_checkpoints)
+        progress.close()
+        done = start_step + len(history)
+        checkpoint_dir = _save(output_dir, done, learner, tokenizer, env, config.keep_checkpoints)
+    finally:
+        progress.close()
+        if writer is not None:
+            writer.close()
     if main:
         plot_metrics(output_dir / "metrics.csv", output_dir / "metrics.png", ("loss",))
     stopped_by = stop.signal_name if done < config.max_steps else None

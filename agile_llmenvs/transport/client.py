@@ -5,19 +5,23 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from pydantic import ValidationError
 
 from agile_llmenvs.errors import AgileLLMEnvsError, EnvProtocolError, EnvStateError
 from agile_llmenvs.transport._openenv import CallToolAction, Environment, ListToolsAction
 from agile_llmenvs.transport.env_types import infer_env_types
 from agile_llmenvs.transport.protocol import (
+    ErrorCode,
     WireError,
     code_for_exception,
     error_from_wire,
     exception_location,
     observation_frame,
     refuse_non_finite,
+    validation_errors,
 )
 from agile_llmenvs.transport.types import EnvReply, TextAction, TextObservation
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
@@ -129,10 +133,21 @@ class InProcessEnvClient:
     def step(self, text: str) -> EnvReply:
         """Send ``text`` in the action's ``action_field``."""
         self._check_open()
-        self._steps += 1
         if self._direct is not None and type(text) is str:
+            self._steps += 1
             return self._parsed(_text_reply, self._call(self._direct.step_fields, text))
-        action = self._call(self.action_cls, **{self.action_field: text})
+        return self.step_action({self.action_field: text})
+
+    def step_action(self, fields: Mapping[str, Any]) -> EnvReply:
+        """Send an action given by its fields (what an ``action_parser`` made of the text).
+
+        Raises:
+            EnvProtocolError: the fields do not validate against ``action_cls``; its
+                ``field_errors`` name each invalid field, as a server's refusal does.
+        """
+        self._check_open()
+        self._steps += 1
+        action = self._call(self._action, fields)
         return self._parsed(_reply, self._call(self.env.step, action))
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> EnvReply:
@@ -195,6 +210,19 @@ class InProcessEnvClient:
             call = f"step {self._steps}" if self._steps else "reset"
             message = {"code": exc.code, "message": str(exc)}
             raise error_from_wire(message, url=f"in-process env {name!r}, {call}") from None
+
+    def _action(self, fields: Mapping[str, Any]) -> Any:
+        """The action with these fields; invalid ones are refused as a server refuses them
+        (OpenEnv's ``Invalid message`` with the field errors)."""
+        try:
+            return self.action_cls(**fields)
+        except ValidationError as exc:
+            message = {
+                "code": ErrorCode.VALIDATION_ERROR,
+                "message": "Invalid message",
+                "errors": validation_errors(exc),
+            }
+            raise error_from_wire(message, url="in-process env") from None
 
     @staticmethod
     def _call(method: Any, *args: Any, **kwargs: Any) -> Any:

@@ -331,7 +331,10 @@ def error_from_wire(data: dict[str, Any], *, url: str) -> errors.EnvError:
     at = f" at {location}" if isinstance(location, str) and location else " in the env"
     where = f" (raised as {origin}{at})" if origin else ""
     cls = _ERROR_TYPES.get(code, errors.EnvError)
-    return cls(f"{url}: {message}{where} [code {code}]", code=code)
+    field_errors = None
+    if isinstance(details, list):
+        field_errors = [error for error in details if isinstance(error, dict)]
+    return cls(f"{url}: {message}{where} [code {code}]", code=code, field_errors=field_errors)
 
 
 # Where an env's bug is not: this package's frames, and (unless nothing else is left) the

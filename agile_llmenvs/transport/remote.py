@@ -143,6 +143,10 @@ class RemoteEnvClient:
             return self.call_tool(self.mcp_tool, {self.action_field: text})
         return self._step_sync({self.action_field: text})
 
+    def step_action(self, fields: Mapping[str, Any]) -> EnvReply:
+        """Send an action given by its fields (what an ``action_parser`` made of the text)."""
+        return self._step_sync(dict(fields))
+
     def call_tool(self, name: str, arguments: dict[str, Any]) -> EnvReply:
         """Call an MCP tool of the env (``call_tool`` as an OpenEnv step)."""
         return self._step_sync({"type": "call_tool", "tool_name": name, "arguments": arguments})
@@ -212,6 +216,10 @@ class RemoteEnvClient:
         if self.mcp_tool is not None:
             return await self.acall_tool(self.mcp_tool, {self.action_field: text})
         return await self._astep({self.action_field: text})
+
+    async def astep_action(self, fields: Mapping[str, Any]) -> EnvReply:
+        """Async :meth:`step_action`; must run on the session loop."""
+        return await self._astep(dict(fields))
 
     async def acall_tool(self, name: str, arguments: dict[str, Any]) -> EnvReply:
         """Async :meth:`call_tool`; must run on the session loop."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 import urllib.error
@@ -118,6 +119,8 @@ def test_an_env_exception_is_an_execution_error_and_the_session_stays_open() -> 
     with OpenEnvServer(make_env=EchoEnv) as server, ws_connect(server) as ws:
         ask(ws, {"type": "reset"})
         reply = ask(ws, {"type": "step", "data": {"message": "boom"}})
+        location = reply["data"].pop("location")  # the env's file and line: see test_clients
+        assert re.fullmatch(r"(\S+/)?echo_envs\.py:\d+ in step", location)
         assert reply == {
             "type": "error",
             "data": {

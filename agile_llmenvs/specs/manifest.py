@@ -657,9 +657,10 @@ def _map_paths(
 
     updates: dict[str, Any] = {}
     env_paths = rewritten(manifest.env, _PATH_FIELDS[type(manifest.env)])
-    entrypoint_file = _entrypoint_file(manifest.env)
-    if entrypoint_file is not None and (new_file := input_path(entrypoint_file[0])) is not None:
-        env_paths["entrypoint"] = f"{new_file}:{entrypoint_file[1]}"
+    for field in _FILE_ATTR_FIELDS:  # `file.py:attr` names a file too
+        file_attr = _relative_file_attr(manifest.env, field)
+        if file_attr is not None and (new_file := input_path(file_attr[0])) is not None:
+            env_paths[field] = f"{new_file}:{file_attr[1]}"
     if env_paths:
         updates["env"] = manifest.env.model_copy(update=env_paths)
     model_paths = rewritten(manifest.model, _MODEL_PATH_FIELDS)
@@ -679,10 +680,14 @@ def _map_paths(
     return manifest.model_copy(update=updates) if updates else manifest
 
 
-def _entrypoint_file(env: BaseModel) -> tuple[str, str] | None:
-    """The relative file and attribute of a rollout ``entrypoint`` ``file.py:attr``, if so."""
-    entrypoint = getattr(env, "entrypoint", None) if isinstance(env, LLMEnvSpec) else None
-    file, sep, attr = (entrypoint or "").rpartition(":")
+#: The rollout env's fields that may name ``path/to/file.py:attr``.
+_FILE_ATTR_FIELDS = ("entrypoint", "action_parser")
+
+
+def _relative_file_attr(env: BaseModel, field: str) -> tuple[str, str] | None:
+    """The relative file and attribute of a rollout env's ``field: file.py:attr``, if so."""
+    value = getattr(env, field, None) if isinstance(env, LLMEnvSpec) else None
+    file, sep, attr = (value or "").rpartition(":")
     if sep and file.endswith(".py") and not Path(file).is_absolute():
         return file, attr
     return None

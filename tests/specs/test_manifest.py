@@ -166,6 +166,28 @@ def test_an_entrypoint_file_resolves_next_to_the_manifest_and_is_stored_absolute
     assert env_factory(resumed.entrypoint, resumed.env_config)().sides == 3
 
 
+def test_an_action_parser_file_follows_the_same_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agile_llmenvs.specs.manifest import absolute_paths
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    (project / "parse.py").write_text("def guess(text):\n    return {'guess': int(text)}\n")
+    (project / "run.yaml").write_text(
+        "env: {env_type: rollout, entrypoint: 'env.py:Env', action_parser: 'parse.py:guess'}\n"
+    )
+    monkeypatch.chdir(elsewhere)
+    env = load_manifest("../project/run.yaml").env
+    assert isinstance(env, LLMEnvSpec)
+    assert env.action_parser == "../project/parse.py:guess"  # found next to the manifest
+    assert env.entrypoint == "env.py:Env"  # not there: left for the working directory
+    stored = absolute_paths(load_manifest("../project/run.yaml")).env
+    assert isinstance(stored, LLMEnvSpec)
+    assert stored.action_parser == f"{project / 'parse.py'}:guess"
+
+
 def test_a_module_beside_the_manifest_is_stored_as_its_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from agile_llmenvs.transport.asgi import create_asgi_app
 from agile_llmenvs.transport.client import EnvClientProtocol, InProcessEnvClient
 from agile_llmenvs.transport.remote import ClientState, RemoteEnvClient
 from agile_llmenvs.transport.server import OpenEnvServer
@@ -21,4 +22,5 @@ __all__ = [
     "TextAction",
     "TextObservation",
     "TextState",
+    "create_asgi_app",
 ]

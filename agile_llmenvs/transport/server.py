@@ -85,47 +85,18 @@ class OpenEnvServer:
         observation_cls: type | None = None,
         state_cls: type | None = None,
     ) -> None:
-        if (env is None) == (make_env is None):
-            raise ValueError("OpenEnvServer needs exactly one of `env` or `make_env`")
-        if env is not None and max_concurrent_envs == DEFAULT_MAX_SESSIONS:
-            max_concurrent_envs = 1
-        if env is not None and max_concurrent_envs not in (None, 1):
-            raise ValueError(
-                f"max_concurrent_envs={max_concurrent_envs} needs `make_env`: one shared `env` "
-                "serves one session at a time"
-            )
-        if max_concurrent_envs is not None and max_concurrent_envs < 1:
-            raise ValueError(f"max_concurrent_envs must be >= 1, got {max_concurrent_envs}")
         settings = settings or ServerSettings()
-        given = {
-            k: v
-            for k, v in (
-                ("action_cls", action_cls),
-                ("observation_cls", observation_cls),
-                ("state_cls", state_cls),
-            )
-            if v is not None
-        }
-        shared: Environment | None = None
-        if env is not None:
-            shared = _as_environment(env, env_name, owns=False)
-            build: Callable[[], Environment] = lambda: shared  # noqa: E731
-            limit: int | None = 1
-            name = env_name or _name_of(env)
-        else:
-            assert make_env is not None
-            build = _Fresh(make_env, env_name)
-            limit = max_concurrent_envs
-            name = env_name or str(getattr(make_env, "__name__", "env"))
-        self.host_sessions = SessionHost(
-            build,
-            env_name=name,
-            max_sessions=limit,
+        self.host_sessions = build_session_host(
+            env,
+            make_env=make_env,
+            env_name=env_name,
+            max_concurrent_envs=max_concurrent_envs,
             token=token,
             settings=settings,
-            owns_envs=env is None,
-            types=_known_types(shared if env is not None else None, make_env, given),
-            given_types=given,
+            action_cls=action_cls,
+            observation_cls=observation_cls,
+            state_cls=state_cls,
+            owner="OpenEnvServer",
         )
         self.settings = settings
         self._socket = _bind(host, port)
@@ -215,6 +186,65 @@ class OpenEnvServer:
             self._started.set()
             await self._stop.wait()
             await self.host_sessions.routes.close_all()
+
+
+def build_session_host(
+    env: EnvLike | None = None,
+    *,
+    make_env: Callable[[], EnvLike] | None = None,
+    env_name: str | None = None,
+    max_concurrent_envs: int | None = DEFAULT_MAX_SESSIONS,
+    token: str | None = None,
+    settings: ServerSettings,
+    action_cls: type | None = None,
+    observation_cls: type | None = None,
+    state_cls: type | None = None,
+    owner: str = "OpenEnvServer",
+) -> SessionHost:
+    """The :class:`SessionHost` serving ``env`` or ``make_env``, as :class:`OpenEnvServer`
+    (and :func:`~agile_llmenvs.transport.asgi.create_asgi_app`) take them; ``owner`` names
+    the caller in errors. Raises as :class:`OpenEnvServer` documents."""
+    if (env is None) == (make_env is None):
+        raise ValueError(f"{owner} needs exactly one of `env` or `make_env`")
+    if env is not None and max_concurrent_envs == DEFAULT_MAX_SESSIONS:
+        max_concurrent_envs = 1
+    if env is not None and max_concurrent_envs not in (None, 1):
+        raise ValueError(
+            f"max_concurrent_envs={max_concurrent_envs} needs `make_env`: one shared `env` "
+            "serves one session at a time"
+        )
+    if max_concurrent_envs is not None and max_concurrent_envs < 1:
+        raise ValueError(f"max_concurrent_envs must be >= 1, got {max_concurrent_envs}")
+    given = {
+        k: v
+        for k, v in (
+            ("action_cls", action_cls),
+            ("observation_cls", observation_cls),
+            ("state_cls", state_cls),
+        )
+        if v is not None
+    }
+    shared: Environment | None = None
+    if env is not None:
+        shared = _as_environment(env, env_name, owns=False)
+        build: Callable[[], Environment] = lambda: shared  # noqa: E731
+        limit: int | None = 1
+        name = env_name or _name_of(env)
+    else:
+        assert make_env is not None
+        build = _Fresh(make_env, env_name)
+        limit = max_concurrent_envs
+        name = env_name or str(getattr(make_env, "__name__", "env"))
+    return SessionHost(
+        build,
+        env_name=name,
+        max_sessions=limit,
+        token=token,
+        settings=settings,
+        owns_envs=env is None,
+        types=_known_types(shared if env is not None else None, make_env, given),
+        given_types=given,
+    )
 
 
 class _Fresh:

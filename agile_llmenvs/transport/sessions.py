@@ -110,7 +110,7 @@ class SessionHost:
         """Answer ``GET`` routes and refuse unauthorised or misrouted sessions."""
         path = urlsplit(request.path).path.rstrip("/")
         query = parse_qs(urlsplit(request.path).query)
-        if path != "/health" and not self._authorized(
+        if path != "/health" and not self.authorized(
             request.headers.get("Authorization", ""), query
         ):
             return _response(_FORBIDDEN)
@@ -128,13 +128,15 @@ class SessionHost:
         that carries a body)."""
         if request.method == "GET" and request.path.rstrip("/") == "/health":
             return await self.routes.get("/health")
-        if not self._authorized(request.headers.get("authorization", ""), request.query):
+        if not self.authorized(request.headers.get("authorization", ""), request.query):
             return _FORBIDDEN
         if request.method == "GET":  # one with a body, which websockets does not read
             return await self.routes.get(request.path.rstrip("/"))
         return await self.routes.post(request)
 
-    def _authorized(self, authorization: str, query: dict[str, list[str]]) -> bool:
+    def authorized(self, authorization: str, query: dict[str, list[str]]) -> bool:
+        """Whether a request may pass: no token is set, or it presents the token (an
+        ``Authorization: Bearer`` header, else a ``token`` query parameter)."""
         if self.token is None:
             return True
         presented = authorization[7:] if authorization.startswith("Bearer ") else ""

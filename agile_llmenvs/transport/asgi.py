@@ -1,0 +1,496 @@
+"""Serve envs as an ASGI app: ``uvicorn module:app``, a Hugging Face Space, starlette's TestClient.
+
+:class:`~agile_llmenvs.transport.server.OpenEnvServer` (the ``websockets`` server, our fast
+default) is not an ASGI app. :func:`create_asgi_app` serves the same routes with the same
+replies to any ASGI server: HTTP requests go to the same
+:class:`~agile_llmenvs.transport.routes.HttpRoutes`, and each ``/ws`` connection to the same
+:class:`~agile_llmenvs.transport.sessions.SessionHost` session code, through
+:class:`AsgiWebSocket` (an ASGI websocket dressed as the ``websockets`` connection the
+session code reads). Beside them, as OpenEnv's ``create_app`` does, ``GET /openapi.json``
+(OpenAPI 3.1, with the env's action, observation and state JSON schemas), ``/docs`` (Swagger
+UI) and ``/redoc``.
+
+No web framework is needed: the app is a plain ASGI callable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import html
+import json
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, cast
+from urllib.parse import parse_qs
+
+from pydantic.json_schema import models_json_schema
+from websockets.exceptions import ConnectionClosed, ConnectionClosedError, ConnectionClosedOK
+from websockets.frames import Close
+
+from agile_llmenvs.transport._openenv import (
+    ResetRequest,
+    ResetResponse,
+    StepRequest,
+    StepResponse,
+)
+from agile_llmenvs.transport.http import SERVER_ERROR, HttpRequest, HttpResponse
+from agile_llmenvs.transport.server import DEFAULT_MAX_SESSIONS, EnvLike, build_session_host
+from agile_llmenvs.transport.sessions import SessionHost
+from agile_llmenvs.transport.settings import ServerSettings
+
+__all__ = ["AsgiApp", "AsgiWebSocket", "create_asgi_app"]
+
+logger = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+#: Where ``/docs`` and ``/redoc`` load their scripts (FastAPI's defaults).
+SWAGGER_JS = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"
+SWAGGER_CSS = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css"
+REDOC_JS = "https://cdn.jsdelivr.net/npm/redoc@2/bundles/redoc.standalone.js"
+
+_DOC_PATHS = frozenset({"/openapi.json", "/docs", "/redoc"})
+
+
+def create_asgi_app(
+    env: EnvLike | None = None,
+    *,
+    make_env: Callable[[], EnvLike] | None = None,
+    env_name: str | None = None,
+    max_concurrent_envs: int | None = DEFAULT_MAX_SESSIONS,
+    token: str | None = None,
+    settings: ServerSettings | None = None,
+    action_cls: type | None = None,
+    observation_cls: type | None = None,
+    state_cls: type | None = None,
+) -> AsgiApp:
+    """An ASGI app serving ``env`` or ``make_env`` as :class:`OpenEnvServer` does.
+
+    Takes :class:`~agile_llmenvs.transport.server.OpenEnvServer`'s arguments (less the
+    socket's: the ASGI server binds) and serves its routes with its replies: ``/ws``
+    sessions, ``GET /health``, ``/metadata``, ``/schema``, ``/state``, ``/sessions``,
+    ``POST /reset``, ``/step``, ``/mcp``; and, as OpenEnv's ``create_app`` does,
+    ``GET /openapi.json``, ``/docs`` and ``/redoc``. The ``token`` guards every route but
+    ``/health`` (open ``/docs?token=...``: the page passes it on to ``/openapi.json``).
+
+    ``/docs`` and ``/redoc`` are pages whose scripts (Swagger UI, ReDoc) the *browser* that
+    opens them loads from a CDN (:data:`SWAGGER_JS`, :data:`REDOC_JS`); the server itself
+    makes no network call.
+
+    Run it with ``uvicorn module:app`` (``app = create_asgi_app(make_env=MyEnv)`` in
+    ``module``); uvicorn's own WebSocket ping and size limits apply (``--ws-max-size``,
+    ``--ws-ping-interval``), ``settings``' timeouts and message limit as on our server.
+    The websockets-based :class:`OpenEnvServer` stays the faster way to serve.
+
+    Raises:
+        ValueError, TypeError: as :class:`OpenEnvServer` does.
+    """
+    settings = settings or ServerSettings()
+    host = build_session_host(
+        env,
+        make_env=make_env,
+        env_name=env_name,
+        max_concurrent_envs=max_concurrent_envs,
+        token=token,
+        settings=settings,
+        action_cls=action_cls,
+        observation_cls=observation_cls,
+        state_cls=state_cls,
+        owner="create_asgi_app",
+    )
+    return AsgiApp(host)
+
+
+class AsgiApp:
+    """The ASGI callable :func:`create_asgi_app` returns, over one :class:`SessionHost`.
+
+    Its lifespan's shutdown closes the MCP sessions made over HTTP and the env threads.
+    """
+
+    def __init__(self, host: SessionHost) -> None:
+        self.host = host
+        self._openapi: dict[str, Any] | None = None
+
+    @property
+    def active_sessions(self) -> int:
+        """Sessions open right now."""
+        return self.host.active_sessions
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "websocket":
+            await self._websocket(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    # -- lifespan ----------------------------------------------------------------------------
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def close(self) -> None:
+        """Close the MCP sessions made over HTTP and the env threads (the lifespan's end)."""
+        with contextlib.suppress(Exception):
+            await self.host.routes.close_all()
+        self.host.env_calls.close()
+
+    # -- HTTP --------------------------------------------------------------------------------
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method = scope["method"]
+        path = scope["path"]
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        headers = _headers(scope)
+        limit = self.host.settings.max_message_bytes
+        body, refused = await _read_body(receive, headers, limit)
+        if body is None:  # the client left before its request was in
+            return
+        try:
+            if refused is not None:
+                answer: HttpResponse | _Page = refused
+            elif method == "GET" and path.rstrip("/") in _DOC_PATHS:
+                answer = await self._docs(path.rstrip("/"), headers, query)
+            elif method == "GET" and not body:
+                answer = await self._get(path, headers, query)
+            else:
+                request = HttpRequest(method, path, query, headers, body)
+                answer = await self.host.answer_http(request)
+        except Exception:
+            logger.exception("%s %s failed", method, path)
+            answer = SERVER_ERROR
+        if isinstance(answer, _Page):
+            content_type, payload, status = "text/html; charset=utf-8", answer.html.encode(), 200
+        else:
+            content_type, payload, status = answer.content_type, answer.payload(), answer.status
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", content_type.encode()),
+                    (b"content-length", str(len(payload)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": payload})
+
+    async def _get(
+        self, path: str, headers: dict[str, str], query: dict[str, list[str]]
+    ) -> HttpResponse:
+        """A ``GET``, as our server's handshake hook answers it."""
+        path = path.rstrip("/")
+        if path != "/health" and not self.host.authorized(headers.get("authorization", ""), query):
+            return _FORBIDDEN
+        return await self.host.routes.get(path)
+
+    async def _docs(
+        self, path: str, headers: dict[str, str], query: dict[str, list[str]]
+    ) -> HttpResponse | _Page:
+        if not self.host.authorized(headers.get("authorization", ""), query):
+            return _FORBIDDEN
+        if path == "/openapi.json":
+            if self._openapi is None:
+                known = await self.host.routes.get("/schema")  # builds an env if need be
+                if known.status != 200:
+                    return known
+                assert self.host.types is not None
+                self._openapi = openapi_document(self.host)
+            return HttpResponse(200, self._openapi)
+        token = query.get("token", [""])[0]
+        spec = "/openapi.json" + (f"?token={token}" if token else "")
+        title = f"{self.host.env_name} - OpenEnv Environment HTTP API"
+        return _Page(_swagger_html(spec, title) if path == "/docs" else _redoc_html(spec, title))
+
+    # -- WebSocket ---------------------------------------------------------------------------
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"].rstrip("/")
+        raw_query = scope.get("query_string", b"").decode("latin-1")
+        query = parse_qs(raw_query)
+        headers = _headers(scope)
+        connect = await receive()
+        if connect["type"] != "websocket.connect":
+            return
+        if path != "/ws" or not self.host.authorized(headers.get("authorization", ""), query):
+            # refused before the handshake: the ASGI server answers 403
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await send({"type": "websocket.accept"})
+        request = _Request(path + ("?" + raw_query if raw_query else ""), headers)
+        ws = AsgiWebSocket(receive, send, request, scope.get("client"))
+        try:
+            # the session code reads what AsgiWebSocket has of a websockets ServerConnection
+            await self.host.handle(cast(Any, ws))
+        except ConnectionClosed:
+            pass
+        finally:
+            await ws.close(1000)
+
+
+@dataclass(frozen=True)
+class _Page:
+    html: str
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What the session code reads of a handshake request: its path and headers."""
+
+    path: str
+    headers: dict[str, str]
+
+
+class AsgiWebSocket:
+    """An accepted ASGI websocket, with what :class:`SessionHost` calls on a ``websockets``
+    ``ServerConnection``: ``request.path``, ``remote_address``, ``recv()``, ``send()`` and
+    ``close()``, each raising ``ConnectionClosed`` once the connection is closed.
+
+    ``close()`` may come from another task than the one waiting in ``recv()`` (the idle
+    watchdog); that ``recv()`` then raises at once.
+    """
+
+    def __init__(self, receive: Receive, send: Send, request: _Request, client: Any = None) -> None:
+        self._receive = receive
+        self._send = send
+        self.request = request
+        self.remote_address = tuple(client) if client else None
+        self._closed: Close | None = None  # the close, once sent or received
+        self._close_sent = False
+        self._peer_closed = False
+        self._closing = asyncio.get_running_loop().create_future()
+
+    async def recv(self) -> str | bytes:
+        """The next message, text or bytes."""
+        if self._closed is not None:
+            raise self._error()
+        receiving = asyncio.ensure_future(self._receive())
+        done, _ = await asyncio.wait(
+            (receiving, self._closing), return_when=asyncio.FIRST_COMPLETED
+        )
+        if receiving not in done:
+            receiving.cancel()
+            raise self._error()
+        message = receiving.result()
+        if message["type"] == "websocket.receive":
+            text = message.get("text")
+            if text is not None:
+                return str(text)
+            return bytes(message.get("bytes") or b"")
+        code = int(message.get("code", 1005))
+        self._peer_closed = True
+        self._mark_closed(Close(code, str(message.get("reason") or "")))
+        raise self._error()
+
+    async def send(self, message: str | bytes) -> None:
+        """Send one text (``str``) or binary frame."""
+        if self._closed is not None:
+            raise self._error()
+        frame: Message = {"type": "websocket.send"}
+        frame["text" if isinstance(message, str) else "bytes"] = message
+        try:
+            await self._send(frame)
+        except (OSError, RuntimeError) as exc:  # the ASGI server's "client went away"
+            self._mark_closed(Close(1006, ""))
+            raise self._error() from exc
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        """Close the connection (idempotent)."""
+        if self._close_sent or self._peer_closed:
+            return
+        self._close_sent = True
+        if self._closed is None:
+            self._mark_closed(Close(code, reason))
+        with contextlib.suppress(OSError, RuntimeError):
+            await self._send({"type": "websocket.close", "code": code, "reason": reason})
+
+    def _mark_closed(self, close: Close) -> None:
+        self._closed = close
+        if not self._closing.done():
+            self._closing.set_result(None)
+
+    def _error(self) -> ConnectionClosed:
+        close = self._closed
+        if close is not None and close.code in (1000, 1001):
+            return ConnectionClosedOK(close, None)
+        return ConnectionClosedError(close, None)
+
+
+# -- OpenAPI ---------------------------------------------------------------------------------
+
+
+def openapi_document(host: SessionHost) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of an app over ``host`` (whose wire types are known)."""
+    types = host.types
+    assert types is not None
+    models = [ResetRequest, ResetResponse, StepRequest, StepResponse]
+    env_models = [types.action, types.observation, types.state]
+    keys, top = models_json_schema(
+        [(m, "validation") for m in (*models, *env_models)],
+        ref_template="#/components/schemas/{model}",
+    )
+    schemas: dict[str, Any] = top.get("$defs", {})
+
+    def ref(model: type) -> dict[str, Any]:
+        return dict(keys[(model, "validation")])
+
+    def json_body(schema: dict[str, Any]) -> dict[str, Any]:
+        return {"content": {"application/json": {"schema": schema}}}
+
+    def reply(schema: dict[str, Any], what: str = "Successful Response") -> dict[str, Any]:
+        return {"200": {"description": what, **json_body(schema)}}
+
+    anything: dict[str, Any] = {"type": "object"}
+    step_body = {
+        "allOf": [ref(StepRequest), {"properties": {"action": ref(types.action)}}],
+    }
+    step_reply = {
+        "allOf": [ref(StepResponse), {"properties": {"observation": ref(types.observation)}}]
+    }
+    paths: dict[str, Any] = {
+        "/reset": {
+            "post": {
+                "tags": ["Environment Control"],
+                "summary": "Reset a fresh environment",
+                "requestBody": {"required": False, **json_body(ref(ResetRequest))},
+                "responses": reply(ref(ResetResponse)),
+            }
+        },
+        "/step": {
+            "post": {
+                "tags": ["Environment Control"],
+                "summary": "Execute an action on a fresh environment",
+                "requestBody": {"required": True, **json_body(step_body)},
+                "responses": reply(step_reply),
+            }
+        },
+        "/state": {
+            "get": {
+                "tags": ["State Management"],
+                "summary": "Get a fresh environment's state",
+                "responses": reply(ref(types.state)),
+            }
+        },
+        "/metadata": {
+            "get": {
+                "tags": ["Environment Info"],
+                "summary": "Get environment metadata",
+                "responses": reply(anything),
+            }
+        },
+        "/schema": {
+            "get": {
+                "tags": ["Schema"],
+                "summary": "Get the action, observation and state JSON schemas",
+                "responses": reply(anything),
+            }
+        },
+        "/health": {
+            "get": {
+                "tags": ["Health"],
+                "summary": "Health check",
+                "responses": reply(anything),
+            }
+        },
+        "/mcp": {
+            "post": {
+                "tags": ["MCP"],
+                "summary": "MCP JSON-RPC endpoint",
+                "requestBody": {"required": True, **json_body(anything)},
+                "responses": reply(anything),
+            }
+        },
+        "/sessions": {
+            "get": {
+                "tags": ["Health"],
+                "summary": "Live and allowed sessions",
+                "responses": reply(anything),
+            }
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "OpenEnv Environment HTTP API",
+            "version": "1.0.0",
+            "description": f"`{host.env_name}`, served by agile_llmenvs. WebSocket sessions "
+            "at `/ws` (OpenEnv's `reset`, `step`, `state`, `close` and `mcp` messages).",
+        },
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }
+
+
+def _swagger_html(spec: str, title: str) -> str:
+    spec_js = json.dumps(spec)
+    return (
+        "<!DOCTYPE html><html><head>"
+        f'<link type="text/css" rel="stylesheet" href="{SWAGGER_CSS}">'
+        f"<title>{html.escape(title)}</title></head><body>"
+        '<div id="swagger-ui"></div>'
+        f'<script src="{SWAGGER_JS}"></script>'
+        "<script>const ui = SwaggerUIBundle({url: "
+        f"{spec_js}, dom_id: '#swagger-ui', layout: 'BaseLayout', deepLinking: true, "
+        "presets: [SwaggerUIBundle.presets.apis, SwaggerUIBundle.SwaggerUIStandalonePreset]})"
+        "</script></body></html>"
+    )
+
+
+def _redoc_html(spec: str, title: str) -> str:
+    return (
+        "<!DOCTYPE html><html><head>"
+        f"<title>{html.escape(title)}</title>"
+        '<meta charset="utf-8"/></head><body>'
+        f'<redoc spec-url="{html.escape(spec)}"></redoc>'
+        f'<script src="{REDOC_JS}"></script></body></html>'
+    )
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {
+        bytes(k).decode("latin-1").lower(): bytes(v).decode("latin-1")
+        for k, v in scope.get("headers", [])
+    }
+
+
+async def _read_body(
+    receive: Receive, headers: dict[str, str], limit: int
+) -> tuple[bytes | None, HttpResponse | None]:
+    """The request body (None if the client left first), or the refusal of one over
+    ``limit`` bytes (413)."""
+    declared = headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return b"", HttpResponse(413, {"detail": f"Body of {declared} bytes exceeds {limit}"})
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None, None
+        chunk = bytes(message.get("body", b""))
+        size += len(chunk)
+        if size > limit:
+            return b"", HttpResponse(413, {"detail": f"Body exceeds {limit} bytes"})
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks), None
+
+
+_FORBIDDEN = HttpResponse(HTTPStatus.FORBIDDEN, {"detail": "missing or wrong token"})

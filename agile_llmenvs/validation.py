@@ -106,6 +106,8 @@ class Validation:
         summary: What the file declares, when its fields validated.
         problems: Each problem found.
         error: Why the file could not be read at all (then there are no problems).
+        manifest: The run manifest, when its fields validated (a command that goes on to
+            run it need not load it again).
     """
 
     path: Path
@@ -113,6 +115,7 @@ class Validation:
     summary: str = ""
     problems: tuple[Problem, ...] = ()
     error: str | None = None
+    manifest: RunManifest | None = None
 
     @property
     def ok(self) -> bool:
@@ -262,10 +265,12 @@ def _validate_run_manifest(path: Path, check_files: bool, build: bool) -> Valida
         return Validation(path, "run manifest", problems=tuple(problems_of(exc)))
     summary = describe_manifest(manifest)
     if not check_files:
-        return Validation(path, "run manifest", f"{summary} (--no-files: fields only)")
+        return Validation(
+            path, "run manifest", f"{summary} (--no-files: fields only)", manifest=manifest
+        )
     problems = tuple(check_run_manifest(manifest, build=build))
     unbuilt = _not_built(manifest.env, build)
-    return Validation(path, "run manifest", f"{summary}{unbuilt}", problems)
+    return Validation(path, "run manifest", f"{summary}{unbuilt}", problems, manifest=manifest)
 
 
 def _not_built(env: Any, build: bool) -> str:

@@ -49,27 +49,27 @@ def run_train_command(args: argparse.Namespace) -> int:
     goes up to the command line, which prints it in one line and exits 2. Other libraries'
     progress bars and logs below errors are off unless ``--debug``.
     """
-    from agile_llmenvs.specs import load_manifest
     from agile_llmenvs.training import train_dpo, train_grpo, train_sft
     from agile_llmenvs.training.progress import quiet_libraries
     from agile_llmenvs.validation import problem_lines, validate_file
 
     started = time.monotonic()
-    # validate's checks and words first (the env is built once, by the run's own setup)
     with nullcontext() if getattr(args, "debug", False) else quiet_libraries():
+        # validate's checks and words first (the env is built once, by the run's own setup)
         checked = validate_file(args.manifest, build=False)
-    if checked.kind != "run manifest":
-        print(f"error {args.manifest}: an eval config, not a run manifest", file=sys.stderr)
-        return 2
-    if not checked.ok:
-        print("\n".join(problem_lines(checked)), file=sys.stderr)
-        return 2
-    manifest = load_manifest(args.manifest)
-    if manifest.training is None:
-        print(f"error {args.manifest}: no `training` section to run", file=sys.stderr)
-        return 2
-    train = {"grpo": train_grpo, "sft": train_sft, "dpo": train_dpo}[manifest.training.algorithm]
-    with nullcontext() if getattr(args, "debug", False) else quiet_libraries():
+        if checked.kind != "run manifest":
+            print(f"error {args.manifest}: an eval config, not a run manifest", file=sys.stderr)
+            return 2
+        if not checked.ok:
+            print("\n".join(problem_lines(checked)), file=sys.stderr)
+            return 2
+        manifest = checked.manifest
+        assert manifest is not None  # its fields validated
+        if manifest.training is None:
+            print(f"error {args.manifest}: no `training` section to run", file=sys.stderr)
+            return 2
+        algorithm = manifest.training.algorithm
+        train = {"grpo": train_grpo, "sft": train_sft, "dpo": train_dpo}[algorithm]
         result = train(manifest, resume=args.resume, overwrite=args.overwrite)
     evaluate = None if result.stopped_by is not None else evaluate_hint(result, manifest)
     print(summary_line(result, manifest, args.manifest, time.monotonic() - started, evaluate))

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -188,16 +189,9 @@ class RunPlan:
         """
         if self.lock is None or self.resume_from is not None:
             return
-        if _metrics_rows(self.output_dir) or any(
-            _CHECKPOINT_ENTRY.match(entry.name) for entry in self.output_dir.iterdir()
-        ):
+        if _metrics_rows(self.output_dir) or _checkpoints(self.output_dir):
             return  # a step's row, or a checkpoint: the run's record stays
-        found = frozenset() if self.overwrite else self.found or frozenset()
-        for entry in self.output_dir.iterdir():
-            if entry.name not in found and (
-                entry.name in _RUN_FILES or _CHECKPOINT_ENTRY.match(entry.name)
-            ):
-                _remove(entry)
+        _remove_run(self.output_dir, keep=frozenset() if self.overwrite else self.found or ())
         if RUN_LOCK not in (self.found or ()):  # unlinked while held: no other run opened it
             (self.output_dir / RUN_LOCK).unlink(missing_ok=True)
         if self.found is None and not any(self.output_dir.iterdir()):
@@ -354,11 +348,15 @@ def _run_files(output_dir: Path) -> list[str]:
     """What marks ``output_dir`` as holding a run: its metrics and checkpoint folders."""
     if not output_dir.is_dir():
         return []
-    checkpoints = sorted(
+    return ([_METRICS] if (output_dir / _METRICS).exists() else []) + _checkpoints(output_dir)
+
+
+def _checkpoints(output_dir: Path) -> list[str]:
+    """The checkpoint folders in ``output_dir`` (partial and stale ones too), by step."""
+    return sorted(
         (entry.name for entry in output_dir.iterdir() if _CHECKPOINT_ENTRY.match(entry.name)),
         key=lambda name: int(re.sub(r"\D", "", name)),
     )
-    return ([_METRICS] if (output_dir / _METRICS).exists() else []) + checkpoints
 
 
 def _metrics_rows(output_dir: Path) -> bool:
@@ -370,18 +368,18 @@ def _metrics_rows(output_dir: Path) -> bool:
         return False
 
 
-def _remove_run(output_dir: Path) -> None:
-    """Remove what a run writes in ``output_dir``; any other file there stays."""
+def _remove_run(output_dir: Path, keep: Collection[str] = ()) -> None:
+    """Remove what a run writes in ``output_dir`` but the names in ``keep``; any other file
+    there stays."""
     for entry in output_dir.iterdir():
-        if entry.name in _RUN_FILES or _CHECKPOINT_ENTRY.match(entry.name):
-            _remove(entry)
-
-
-def _remove(entry: Path) -> None:
-    if entry.is_dir() and not entry.is_symlink():
-        shutil.rmtree(entry)
-    else:
-        entry.unlink()
+        if entry.name in keep or not (
+            entry.name in _RUN_FILES or _CHECKPOINT_ENTRY.match(entry.name)
+        ):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def _store_manifest(manifest: RunManifest, output_dir: Path) -> None:

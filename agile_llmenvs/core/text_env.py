@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from agile_llmenvs.core.types import Action, EnvironmentSpec, State, StepResult
 from agile_llmenvs.errors import EnvExecutionError, StaleStateError
 from agile_llmenvs.llm_envs.contract import (
@@ -31,7 +33,7 @@ from agile_llmenvs.llm_envs.contract import (
     TextEnv,
 )
 
-__all__ = ["TextEnvironment", "from_text_env", "render_action"]
+__all__ = ["TextEnvironment", "adopt_episode", "from_text_env", "render_action"]
 
 
 def render_action(action: Action) -> str:
@@ -105,6 +107,7 @@ class TextEnvironment:
             env = self._factory()
         try:
             observation, info = env.reset(seed=seed, **task)
+            _check_info(info, self._spec.name, 0)
         except BaseException:
             if self._single is None:
                 env.close()
@@ -121,6 +124,7 @@ class TextEnvironment:
             observation, info = env.reset(seed=seed, **task)
         finally:
             env.close()
+        _check_info(info, self._spec.name, 0)
         messages = ({"role": "user", "content": observation},)
         state = State(observation, messages, task=task, episode_id=next(self._ids), seed=seed)
         return state, dict(info)
@@ -146,6 +150,7 @@ class TextEnvironment:
         try:
             observation, reward, terminated, truncated, info = episode.env.step(text)
             _check_reward(reward, self._spec.name, state.step_count + 1)
+            _check_info(info, self._spec.name, state.step_count + 1)
         except BaseException:
             self.release(state)
             raise
@@ -172,6 +177,7 @@ class TextEnvironment:
         finally:
             env.close()
         _check_reward(reward, self._spec.name, state.step_count + 1)
+        _check_info(info, self._spec.name, state.step_count + 1)
         return _advance(state, text, observation, reward, terminated, truncated, info)
 
     def release(self, state: State) -> None:
@@ -190,6 +196,19 @@ class TextEnvironment:
             self._single.close()
 
 
+def adopt_episode(env: TextEnv, state: State, *, name: str | None = None) -> TextEnvironment:
+    """``env``'s running episode, as it is now, behind the state-passing interface.
+
+    ``env`` was reset and stepped elsewhere (by a rollout harness, say) to the point
+    ``state`` describes; the returned environment drives that live episode from ``state``
+    on, as if it had played it itself, so a strategy can checkpoint it (ProcessFork ships
+    ``env`` as it is). Its ``close`` closes ``env``: leave it open where another owns ``env``.
+    """
+    environment = TextEnvironment(lambda: env, name=name or type(env).__name__, single=env)
+    environment._episodes[state.episode_id] = _Episode(env, state.step_count)
+    return environment
+
+
 def _check_reward(reward: Any, env_name: str, step: int) -> None:
     """Refuse a reward that is not a finite number, as the wire and the rollout harness do:
     the episode then ends in an env error, and one NaN does not reach an average."""
@@ -202,6 +221,42 @@ def _check_reward(reward: Any, env_name: str, step: int) -> None:
             f"env {env_name!r}, step {step}: the reward is {reward!r}, not a finite number; "
             "return a finite float"
         )
+
+
+def _check_info(info: Mapping[str, Any] | None, env_name: str, step: int) -> None:
+    """Refuse a non-finite number anywhere in ``info`` (nested too), as a non-finite reward
+    is refused: the episode ends in an env error naming the key path."""
+    found = _non_finite_in(info or {}, "info")
+    if found is not None:
+        where = f"step {step}" if step else "reset"
+        path, value = found
+        raise EnvExecutionError(
+            f"env {env_name!r}, {where}: {path} is {value!r}, not a finite number; "
+            "return finite numbers in info"
+        )
+
+
+def _non_finite_in(value: Any, path: str) -> tuple[str, float] | None:
+    """The key path and value of the first non-finite number in ``value`` (mappings,
+    sequences, numpy scalars and arrays), if any."""
+    if isinstance(value, float | np.floating):
+        return None if math.isfinite(value) else (path, float(value))
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind != "f" or bool(np.isfinite(value).all()):
+            return None
+        index = tuple(int(i) for i in np.argwhere(~np.isfinite(value))[0])
+        return f"{path}{list(index)}", float(value[index])
+    if isinstance(value, Mapping):
+        items: Any = ((f"{path}[{k!r}]", v) for k, v in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for item_path, item in items:
+        found = _non_finite_in(item, item_path)
+        if found is not None:
+            return found
+    return None
 
 
 def _advance(

@@ -9,10 +9,24 @@ from typing import Any, Literal
 from agile_llmenvs.errors import EnvBuildError
 from agile_llmenvs.specs import EnvServiceSpec, LLMEnvSpec
 
-__all__ = ["DEFAULT_READY_TIMEOUT_S", "HOST_INDEX_VAR", "LOOPBACK", "HostConfig"]
+__all__ = [
+    "DEFAULT_HEALTH_FAILURES_TO_REPLACE",
+    "DEFAULT_HEALTH_POLL_INTERVAL_S",
+    "DEFAULT_HEALTH_POLL_TIMEOUT_S",
+    "DEFAULT_READY_TIMEOUT_S",
+    "HOST_INDEX_VAR",
+    "LOOPBACK",
+    "HostConfig",
+]
 
 #: Seconds a host may take to start when ``env_host_ready_timeout_s`` is unset.
 DEFAULT_READY_TIMEOUT_S = 120.0
+#: Seconds between the pool's polls of each host's ``/health``.
+DEFAULT_HEALTH_POLL_INTERVAL_S = 5.0
+#: Seconds one ``/health`` poll waits for its answer.
+DEFAULT_HEALTH_POLL_TIMEOUT_S = 5.0
+#: Failed ``/health`` polls in a row after which the pool replaces a host.
+DEFAULT_HEALTH_FAILURES_TO_REPLACE = 3
 #: Environment variable holding a host's index (0-based) in its pool, set on every host.
 HOST_INDEX_VAR = "AGILE_LLMENVS_ENV_HOST"
 #: The interface hosts bind under ``env_host_bind: loopback`` (the default).
@@ -49,6 +63,13 @@ class HostConfig:
         max_restarts: Restarts Ray grants each host after its process dies (-1: unlimited).
         bind: Interface each host's server binds: ``"loopback"`` (127.0.0.1: only its own
             node reaches it) or ``"node"`` (the node's address, reachable across the cluster).
+        health_poll_interval_s: Seconds between the pool's ``GET /health`` polls of each ready
+            host (None: no polls).
+        health_poll_timeout_s: Seconds a poll waits; no answer in time is a failed poll, as
+            is any answer but 200.
+        health_failures_to_replace: Failed polls in a row after which the pool kills the host
+            and Ray starts a new one (a host too stuck to exit by itself: its event loop
+            blocked, its process stopped).
     """
 
     entrypoint: str
@@ -70,8 +91,12 @@ class HostConfig:
     token: str = field(default_factory=lambda: secrets.token_urlsafe(16), repr=False)
     max_restarts: int = -1
     bind: Literal["loopback", "node"] = "loopback"
+    health_poll_interval_s: float | None = DEFAULT_HEALTH_POLL_INTERVAL_S
+    health_poll_timeout_s: float = DEFAULT_HEALTH_POLL_TIMEOUT_S
+    health_failures_to_replace: int = DEFAULT_HEALTH_FAILURES_TO_REPLACE
 
     def __post_init__(self) -> None:
+        self._check_health_polls()
         if self.session_ports and self.sessions_per_host is None:
             raise EnvBuildError(
                 "env_session_ports: each session gets its own ports (base + host * "
@@ -97,6 +122,22 @@ class HostConfig:
                     f"env_session_ports: {name!r} needs {sessions} ports from {base} (one per "
                     f"session of every host), past 65535; pick a lower base port"
                 )
+
+    def _check_health_polls(self) -> None:
+        if self.health_poll_interval_s is not None and self.health_poll_interval_s <= 0:
+            raise EnvBuildError(
+                f"health_poll_interval_s must be above 0 (or None: no polls), got "
+                f"{self.health_poll_interval_s}"
+            )
+        if self.health_poll_timeout_s <= 0:
+            raise EnvBuildError(
+                f"health_poll_timeout_s must be above 0, got {self.health_poll_timeout_s}"
+            )
+        if self.health_failures_to_replace < 1:
+            raise EnvBuildError(
+                f"health_failures_to_replace must be 1 or more, got "
+                f"{self.health_failures_to_replace}"
+            )
 
     @classmethod
     def from_spec(cls, spec: LLMEnvSpec, *, allow_install: bool = False) -> HostConfig:

@@ -3,12 +3,14 @@
 The driver side of env hosts. It starts the hosts and waits for them, hands sessions the
 least-loaded healthy host, and when a session reports its host lost, asks Ray for the host
 again in the background: a restarted host (a new incarnation, at a new URL) takes sessions
-again, a host whose restarts are spent is dropped.
+again, a host whose restarts are spent is dropped. It also polls each ready host's ``/health``
+from outside, and replaces a host that fails ``health_failures_to_replace`` polls in a row.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -24,9 +26,12 @@ from agile_llmenvs.errors import (
     OptionalDependencyError,
 )
 from agile_llmenvs.hosting.config import HostConfig
+from agile_llmenvs.hosting.health import HealthPoller, HealthTarget
 from agile_llmenvs.hosting.host import EnvHost, HostInfo
 
 __all__ = ["EnvHostPool", "HostLease", "HostState", "HostStatus"]
+
+logger = logging.getLogger(__name__)
 
 
 class HostState(Enum):
@@ -49,13 +54,23 @@ class HostLease:
 
 @dataclass(frozen=True)
 class HostStatus:
-    """A snapshot of one host."""
+    """A snapshot of one host.
+
+    Attributes:
+        index: The host's index in its pool.
+        state: Its lifecycle state.
+        sessions: Sessions it serves now.
+        info: Its address and identity (None: not started yet).
+        reason: Why it is dead, or why it was last replaced.
+        replacements: Times the pool killed it for failing its ``/health`` polls.
+    """
 
     index: int
     state: HostState
     sessions: int
     info: HostInfo | None
     reason: str = ""
+    replacements: int = 0
 
 
 _COMING = (HostState.STARTING, HostState.RECOVERING)
@@ -70,6 +85,7 @@ class _Host:
     sessions: int = 0
     generation: int = 0
     reason: str = ""
+    replacements: int = 0
 
 
 class EnvHostPool:
@@ -78,6 +94,11 @@ class EnvHostPool:
     Uses the Ray runtime this process is connected to (``ray.init(address=...)`` before,
     or ``RAY_ADDRESS``); when there is none it connects to ``address``, or starts a local
     one. :meth:`close` kills the actors.
+
+    Once the hosts are ready, a daemon thread polls each ready host's ``GET /health`` every
+    ``config.health_poll_interval_s``; a host that fails ``config.health_failures_to_replace``
+    polls in a row is killed and Ray starts a new one (:attr:`replacements` counts them, and
+    each is logged with the host and why).
 
     Args:
         config: What each host serves, and its resources.
@@ -101,11 +122,20 @@ class EnvHostPool:
             _Host(i, actor_class.options(**config.actor_options(i)).remote(config, i))
             for i in range(config.num_hosts)
         ]
+        self._poller: HealthPoller | None = None
         try:
             self._await_ready()
         except BaseException:
             self.close()
             raise
+        if config.health_poll_interval_s is not None:
+            self._poller = HealthPoller(
+                self._health_targets,
+                self._replace_failing,
+                interval_s=config.health_poll_interval_s,
+                timeout_s=config.health_poll_timeout_s,
+                failures_to_replace=config.health_failures_to_replace,
+            )
 
     @property
     def max_turns(self) -> int | None:
@@ -113,10 +143,19 @@ class EnvHostPool:
         info = self._hosts[0].info
         return info.max_turns if info is not None else None
 
+    @property
+    def replacements(self) -> int:
+        """Hosts the pool killed (and Ray started anew) for failing their ``/health`` polls."""
+        with self._cond:
+            return sum(h.replacements for h in self._hosts)
+
     def status(self) -> list[HostStatus]:
         """Every host's state, live sessions and address."""
         with self._cond:
-            return [HostStatus(h.index, h.state, h.sessions, h.info, h.reason) for h in self._hosts]
+            return [
+                HostStatus(h.index, h.state, h.sessions, h.info, h.reason, h.replacements)
+                for h in self._hosts
+            ]
 
     def actor(self, index: int) -> Any:
         """The Ray actor handle of host ``index`` (to inspect it, or kill it in a drill)."""
@@ -191,6 +230,8 @@ class EnvHostPool:
                 return
             self.closed = True
             self._cond.notify_all()
+        if self._poller is not None:
+            self._poller.stop()
         ray = ray_module()
         # a ready host stops its server and services; one still starting is just killed
         # (its services die with its process)
@@ -233,8 +274,48 @@ class EnvHostPool:
                 )
             host.state = HostState.READY
 
-    def _recover(self, host: _Host) -> None:
-        """Ask Ray for the host until it answers, is dead, or the ready timeout passes."""
+    def _health_targets(self) -> list[HealthTarget]:
+        with self._cond:
+            return [
+                HealthTarget(h.index, h.generation, h.info.url)
+                for h in self._hosts
+                if h.state is HostState.READY and h.info is not None and not self.closed
+            ]
+
+    def _replace_failing(self, target: HealthTarget, failure: str) -> None:
+        """Kill a host that failed its health polls; Ray starts it anew, as after a crash."""
+        with self._cond:
+            host = self._hosts[target.index]
+            if self.closed or host.state is not HostState.READY:
+                return
+            if host.generation != target.generation or host.info is None:
+                return  # it came back since it was polled
+            host.state, host.reason = HostState.RECOVERING, failure
+            host.replacements += 1
+            stale = host.info.incarnation
+        logger.warning(
+            "env host %d (%s) is replaced: %s; killing it so that Ray starts a new one",
+            target.index,
+            target.url,
+            failure,
+        )
+        with contextlib.suppress(Exception):
+            ray_module().kill(host.actor, no_restart=False)
+        threading.Thread(
+            target=self._recover,
+            args=(host, stale),
+            name=f"env-host-{host.index}-replace",
+            daemon=True,
+        ).start()
+
+    def _recover(self, host: _Host, stale: str | None = None) -> None:
+        """Ask Ray for the host until it answers, is dead, or the ready timeout passes.
+
+        Args:
+            host: The host to ask for.
+            stale: The incarnation the pool killed: while it still answers, the host has
+                not been restarted yet.
+        """
         ray = ray_module()
         errors = ray.exceptions
         deadline = time.monotonic() + self.config.ready_timeout_s
@@ -259,6 +340,9 @@ class EnvHostPool:
                     return
                 time.sleep(0.1)
             else:
+                if info.incarnation == stale:
+                    time.sleep(0.1)
+                    continue
                 unreachable = self._unreachable(info)
                 if unreachable:
                     self._mark_dead(host, f"after its restart it {unreachable}")
@@ -303,7 +387,7 @@ class EnvHostPool:
         parts = []
         for h in self._hosts:
             load = f"{h.sessions}/{limit}" if limit is not None else str(h.sessions)
-            detail = f": {h.reason}" if h.reason else ""
+            detail = f": {h.reason}" if h.reason and h.state is HostState.DEAD else ""
             parts.append(f"host {h.index} {h.state.value}, {load} sessions{detail}")
         return "; ".join(parts)
 

@@ -252,8 +252,11 @@ def _text_reply(fields: dict[str, Any]) -> EnvReply:
     """The reply to an observation with these :class:`TextObservation` field values (reward,
     done and the rest at their defaults when absent, as after a reset)."""
     reward = fields.get("reward")
-    if reward is not None and not math.isfinite(reward):  # the rest are JSON values already
-        refuse_non_finite(fields)
+    metadata = fields["metadata"]
+    if metadata or (reward is not None and not math.isfinite(reward)):
+        # the rest are JSON values already, but for a non-finite number in the env's info:
+        # searched in the order the wire frame holds them, so both name the same field
+        refuse_non_finite({"observation": {"metadata": metadata}, "reward": reward})
     observation = {
         "prompt": fields["prompt"],
         "truncated": fields.get("truncated", False),
@@ -266,7 +269,7 @@ def _text_reply(fields: dict[str, Any]) -> EnvReply:
         observation,
         None if reward is None else float(reward),
         bool(fields.get("done", False)),
-        dict(fields["metadata"]),
+        dict(metadata),
     )
 
 

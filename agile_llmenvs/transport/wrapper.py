@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +23,11 @@ _PLAIN = frozenset({str, int, bool, type(None)})
 
 
 def jsonable(value: Any) -> Any:
-    """``value`` with numpy scalars/arrays, tuples and sets turned into JSON types."""
+    """``value`` with numpy scalars/arrays, tuples and sets turned into JSON types.
+
+    A non-finite float (NaN, infinity) is kept as it is, not made a string: the reply paths
+    (:func:`~agile_llmenvs.transport.protocol.refuse_non_finite`) fail the call, naming it.
+    """
     if type(value) in _PLAIN:  # the common case, first: this runs on every env reply
         return value
     if isinstance(value, Mapping):
@@ -35,8 +38,7 @@ def jsonable(value: Any) -> Any:
         return value.tolist()
     if isinstance(value, np.generic):
         return value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+    # a non-finite float stays a float: every reply path then refuses it, naming its field
     return value
 
 
@@ -199,6 +201,12 @@ def _on_the_wire(fields: dict[str, Any]) -> dict[str, Any]:
     ]
     fields["metadata"] = {k: v for k, v in metadata.items() if k != IMAGES_FIELD}
     return fields
+
+
+def accepted_reset_kwargs(env: TextEnv, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The reset kwargs ``env.reset`` takes, which are what :class:`OpenEnvWrapper` passes it
+    (the others are dropped)."""
+    return _accepted(env.reset, kwargs)
 
 
 def _accepted(method: Any, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
 import pytest
 from fakes import DigitEnv, DigitEnvFactory
 
@@ -197,3 +198,53 @@ def test_a_reward_that_is_not_a_finite_number_is_an_env_error(
     fine = from_text_env(lambda: _Scored(0.5), name="scored", pure_step=pure_step)
     state, _ = fine.reset(seed=0)
     assert fine.step(state, Action.from_text("4")).reward == 0.5
+
+
+class _Informed:
+    """A one-step env whose reset (or step) info is the value it was built with."""
+
+    max_turns = 1
+
+    def __init__(self, info: dict[str, Any], *, at_reset: bool = False) -> None:
+        self.info, self.at_reset = info, at_reset
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> tuple[str, dict[str, Any]]:
+        return "Say a digit.", self.info if self.at_reset else {}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        return "", 1.0, True, False, {} if self.at_reset else self.info
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("pure_step", [False, True])
+@pytest.mark.parametrize(
+    ("info", "shown"),
+    [
+        ({"score": float("nan")}, "info['score'] is nan"),
+        ({"ok": 1.0, "parts": {"a": [0.5, float("inf")]}}, "info['parts']['a'][1] is inf"),
+        ({"p": np.float32("-inf")}, "info['p'] is -inf"),
+        ({"grid": np.array([[1.0, 2.0], [3.0, np.nan]])}, "info['grid'][1, 1] is nan"),
+    ],
+)
+def test_a_non_finite_number_in_info_is_an_env_error_naming_its_key_path(
+    pure_step: bool, info: dict[str, Any], shown: str
+) -> None:
+    env = from_text_env(lambda: _Informed(info), name="informed", pure_step=pure_step)
+    state, _ = env.reset(seed=0)
+    message = f"env 'informed', step 1: {shown}, not a finite number; return finite numbers in info"
+    with pytest.raises(EnvExecutionError) as raised:
+        env.step(state, Action.from_text("4"))
+    assert str(raised.value) == message
+    at_reset = from_text_env(
+        lambda: _Informed(info, at_reset=True), name="informed", pure_step=pure_step
+    )
+    with pytest.raises(EnvExecutionError) as raised:
+        at_reset.reset(seed=0)
+    assert str(raised.value) == message.replace("step 1", "reset")
+    fine = from_text_env(
+        lambda: _Informed({"n": 1, "xs": np.arange(3), "s": "nan"}), name="informed"
+    )
+    state, _ = fine.reset(seed=0)
+    assert fine.step(state, Action.from_text("4")).info["s"] == "nan"  # a string is no number

@@ -3,6 +3,7 @@ the memory watchdog, and the lazy ray import."""
 
 from __future__ import annotations
 
+import http.server
 import socket
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 from agile_llmenvs.errors import EnvBuildError
 from agile_llmenvs.hosting import HostConfig
 from agile_llmenvs.hosting import host as host_module
+from agile_llmenvs.hosting.health import HealthPoller, HealthTarget, probe_health
 from agile_llmenvs.hosting.host import (
     EnvHost,
     MemoryWatchdog,
@@ -73,6 +75,8 @@ def test_defaults_of_a_spec_with_one_hosting_field() -> None:
     assert config.port_of(0) == 0  # any free port
     assert config.bind == "loopback"  # bound to 127.0.0.1 unless the manifest says `node`
     assert config.bind_host("10.0.0.7") == "127.0.0.1"
+    assert (config.health_poll_interval_s, config.health_poll_timeout_s) == (5.0, 5.0)
+    assert config.health_failures_to_replace == 3
     node = LLMEnvSpec(env_type="rollout", entrypoint="pkg.env:MyEnv", env_host_bind="node")
     assert HostConfig.from_spec(node).bind_host("10.0.0.7") == "10.0.0.7"
     assert config.actor_options(0) == {
@@ -107,6 +111,12 @@ def test_defaults_of_a_spec_with_one_hosting_field() -> None:
             "env_session_ports: 'vnc' needs 8 ports from 65530 (one per session of every "
             "host), past 65535; pick a lower base port",
         ),
+        (
+            {"health_poll_interval_s": 0.0},
+            "health_poll_interval_s must be above 0 (or None: no polls), got 0.0",
+        ),
+        ({"health_poll_timeout_s": -1.0}, "health_poll_timeout_s must be above 0, got -1.0"),
+        ({"health_failures_to_replace": 0}, "health_failures_to_replace must be 1 or more, got 0"),
     ],
 )
 def test_hosting_fields_that_cannot_work_together(fields: dict, message: str) -> None:
@@ -242,6 +252,90 @@ def test_a_host_whose_server_is_unhealthy_exits_for_ray_to_restart_it(
         assert exits == [reason]
     finally:
         host.shutdown()
+
+
+class _HealthServer(http.server.ThreadingHTTPServer):
+    """Answers ``GET /health`` with ``status`` (and a body saying why)."""
+
+    def __init__(self, status: int) -> None:
+        answer = status
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = b"{}" if answer == 200 else b'{"status": "unhealthy"}'
+                self.send_response(answer)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+def test_a_health_probe_names_each_way_a_host_fails() -> None:
+    healthy, unhealthy = _HealthServer(200), _HealthServer(503)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    closed = socket.create_server(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+    try:
+        assert probe_health(healthy.url, 2.0) is None
+        assert probe_health(unhealthy.url, 2.0) == (
+            'GET /health answered HTTP 503: {"status": "unhealthy"}'
+        )
+        silent_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        assert probe_health(silent_url, 0.3) == "GET /health did not answer within 0.3 s"
+        assert time.monotonic() - started < 2.0
+        refused = probe_health(f"http://127.0.0.1:{closed_port}", 2.0)
+        assert refused is not None
+        assert refused.startswith("GET /health failed: ")
+    finally:
+        for server in (healthy, unhealthy):
+            server.shutdown()
+            server.server_close()
+        silent.close()
+
+
+def test_the_health_poller_reports_a_host_after_its_failures_in_a_row() -> None:
+    healthy, unhealthy = _HealthServer(200), _HealthServer(503)
+    targets = [HealthTarget(0, 0, healthy.url), HealthTarget(1, 0, unhealthy.url)]
+    failing: list[tuple[HealthTarget, str]] = []
+    poller = HealthPoller(
+        lambda: list(targets),
+        lambda target, why: failing.append((target, why)),
+        interval_s=3600.0,  # rounds are driven by hand below
+        timeout_s=2.0,
+        failures_to_replace=2,
+    )
+    try:
+        poller.poll_once()
+        assert failing == []  # one failure is not yet two in a row
+        poller.poll_once()
+        why = "2 health polls failed in a row; the last: GET /health answered HTTP 503: "
+        assert failing == [(targets[1], why + '{"status": "unhealthy"}')]
+        poller.poll_once()
+        assert len(failing) == 1  # the count starts again after a report
+        targets[1] = HealthTarget(1, 1, unhealthy.url)  # restarted: a new generation
+        poller.poll_once()
+        assert len(failing) == 1  # the new generation's first failure
+        targets[1] = HealthTarget(1, 1, healthy.url)
+        poller.poll_once()  # a good poll clears the count
+        targets[1] = HealthTarget(1, 1, unhealthy.url)
+        poller.poll_once()
+        assert len(failing) == 1
+    finally:
+        poller.stop()
+        for server in (healthy, unhealthy):
+            server.shutdown()
+            server.server_close()
 
 
 def test_importing_the_package_and_the_hosting_path_does_not_import_ray() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -325,6 +326,46 @@ def test_a_host_over_its_memory_limit_is_restarted(ray_cluster: None) -> None:
         new_pid = client.reset(row_index=3).metadata["pid"]  # on the restarted host
         assert new_pid != old_pid
         assert pool.status()[0].state is HostState.READY
+
+
+def test_a_stopped_host_fails_its_health_polls_and_is_replaced(
+    ray_cluster: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = HostConfig(
+        entrypoint="host_envs:HostEnv",
+        cpus=0.5,
+        health_poll_interval_s=0.5,
+        health_poll_timeout_s=1.0,
+        health_failures_to_replace=3,
+    )
+    with EnvHostPool(config) as pool, HostedEnvClient(pool, timeout_s=30) as client:
+        old_pid = client.reset(row_index=3).metadata["pid"]
+        old_url = pool.status()[0].info.url  # type: ignore[union-attr]
+        assert pool.replacements == 0
+        os.kill(old_pid, signal.SIGSTOP)  # too stuck to run its own watchdog, or to exit
+        try:
+            assert _wait_for(lambda: pool.replacements == 1, timeout_s=30.0)
+            assert _wait_for(lambda: not _alive(old_pid), timeout_s=30.0)
+        finally:
+            if _alive(old_pid):
+                os.kill(old_pid, signal.SIGCONT)
+        assert _wait_for(lambda: pool.status()[0].state is HostState.READY, timeout_s=60.0)
+        status = pool.status()[0]
+        assert status.replacements == 1
+        assert status.info is not None
+        assert status.info.pid != old_pid
+        assert status.reason == (
+            "3 health polls failed in a row; the last: GET /health did not answer within 1.0 s"
+        )
+        replaced = [r.getMessage() for r in caplog.records if "is replaced" in r.getMessage()]
+        assert replaced == [
+            f"env host 0 ({old_url}) is replaced: {status.reason}; killing it so that Ray "
+            "starts a new one"
+        ]
+        reply = client.reset(row_index=4)  # the next episode, on the new host
+        assert reply.metadata["pid"] == status.info.pid
+        assert client.step("4").reward == 1.0
+        assert pool.replacements == 1  # a healthy host is left alone
 
 
 @pytest.mark.parametrize("bind", ["loopback", "node"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from echo_envs import RowEnv
 
 from agile_llmenvs.errors import SlotTimeoutError, StaleEpisodeError
 from agile_llmenvs.llm_envs import RolloutCollector, RolloutHarness, StopReason
+from agile_llmenvs.transport import OpenEnvServer
 
 EOS = 2
 
@@ -234,3 +236,63 @@ def test_fast_in_process_envs_run_inline_until_calls_are_slow_in_a_row(tokenizer
     assert policy.inline(RowEnv)
     collect.step({0: hang})
     assert not policy.inline(RowEnv)  # slow calls in a row: back to the threads for good
+
+
+class _NonFiniteInfoEnv:
+    """Row ``r`` asks for its number; row 1's step info holds a NaN deep inside, row 2's reset
+    info an infinity, the other rows' info only finite numbers."""
+
+    dataset_size = 4
+    max_turns = 1
+
+    def __init__(self) -> None:
+        self.row = 0
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> tuple[str, dict[str, Any]]:
+        self.row = int(task.get("row_index", 0))
+        return f"Say {self.row}.", {"p": math.inf if self.row == 2 else 0.5}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        parts = [0.5, math.nan] if self.row == 1 else [0.5, 1.0]
+        return "", 1.0, True, False, {"score": {"parts": parts}}
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("path", ["in-process", "websocket"])
+def test_a_non_finite_number_in_info_fails_its_episode_naming_the_field(
+    tokenizer: Any, path: str
+) -> None:
+    server = OpenEnvServer(make_env=_NonFiniteInfoEnv, max_concurrent_envs=8)
+    if path == "in-process":
+        server.close()
+        env = "in-process env '_NonFiniteInfoEnv'"
+        where = {1: f"{env}, step 1", 2: f"{env}, reset"}
+
+        def factory() -> RolloutHarness:
+            return RolloutHarness.local(_NonFiniteInfoEnv(), tokenizer, max_turns=1)
+    else:
+        ws_url = server.url.replace("http://", "ws://") + "/ws"
+        where = {1: ws_url, 2: ws_url}
+
+        def factory() -> RolloutHarness:
+            return RolloutHarness(server.url, tokenizer, max_turns=1, timeout_s=10)
+
+    collect = RolloutCollector(factory, batch_size=4, group_size=2, base_seed=0)
+    try:
+        batch = collect.collect(says(tokenizer, lambda pos, text: row_of(text)))
+    finally:
+        collect.close()
+        server.close()
+    errors = {t.task.row_index: t.episode.info.get("error") for t in batch.trajectories}
+    refused = (
+        "EnvExecutionError: {where}: the env's observation.metadata.{field} is {name}: "
+        "replies are JSON, which has no {name}; return a finite number [code EXECUTION_ERROR]"
+    )
+    assert errors[1] == refused.format(where=where[1], field="score.parts.1", name="NaN")
+    assert errors[2] == refused.format(where=where[2], field="p", name="Infinity")
+    assert (errors[0], errors[3]) == (None, None)
+    assert batch.failed == 4  # both members of rows 1 and 2
+    assert sorted(t.task.row_index for t in batch.trajectories if t.failed) == [1, 1, 2, 2]
+    assert [t.reward for t in batch.trajectories if not t.failed] == [1.0] * 4

@@ -17,7 +17,9 @@ from serving import ServedProcess
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
+from agile_llmenvs.errors import EnvCapacityError
 from agile_llmenvs.transport import OpenEnvServer, ServerSettings
+from agile_llmenvs.transport.remote import RemoteEnvClient
 
 RELEASE = threading.Event()
 
@@ -227,6 +229,50 @@ def test_a_flood_of_http_resets_builds_no_more_envs_than_the_capacity() -> None:
         assert server.active_sessions == 0
         with ws_connect(server.url) as ws:  # nothing leaked
             assert ask(ws, {"type": "reset"})["type"] == "observation"
+
+
+def test_a_websocket_reset_during_an_http_reset_flood_is_answered_promptly() -> None:
+    # issue #32: a WebSocket reset once waited 30.5 s (instead of 2 s) behind such a flood
+    CountedEnv.alive = CountedEnv.most_alive = 0
+    with OpenEnvServer(make_env=CountedEnv, max_concurrent_envs=2) as server:
+        answers: list[httpx.Response] = []
+        start = threading.Barrier(31)
+
+        def post_reset() -> None:
+            start.wait(10)
+            answers.append(httpx.post(server.url + "/reset", json={}, timeout=30))
+
+        flood = [threading.Thread(target=post_reset) for _ in range(30)]
+        for thread in flood:
+            thread.start()
+        client = RemoteEnvClient(server.url, timeout_s=30)
+        start.wait(10)
+        began = time.monotonic()
+        try:
+            outcome = client.reset().observation["prompt"]
+        except EnvCapacityError as exc:
+            outcome = str(exc)
+        waited = time.monotonic() - began
+        for thread in flood:
+            thread.join(30)
+        client.close()
+        assert waited < 5.0, f"the WebSocket reset waited {waited:.1f} s: {outcome}"
+        # answered, or refused at once: the session's slot is taken by the flood's resets
+        refused_ws = f"{client.url}: Server at capacity (2/2 sessions) [code CAPACITY_REACHED]"
+        assert outcome in {"start seed=None", refused_ws}, outcome
+        statuses = [answer.status_code for answer in answers]
+        assert len(statuses) == 30
+        assert set(statuses) <= {200, 503}, statuses
+        assert statuses.count(503) >= 1, statuses  # capacity 2 cannot take 30 at once
+        for refused in (answer for answer in answers if answer.status_code == 503):
+            assert refused.json() == {"detail": CAPACITY}
+        assert CountedEnv.most_alive <= 2
+
+
+CAPACITY = (
+    "Server at capacity (2/2 sessions): every slot holds a live env; retry later, or serve "
+    "with a larger max_concurrent_envs"
+)
 
 
 def rpc(method: str, request_id: int = 1) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -90,7 +91,9 @@ def test_jsonable() -> None:
         "c": (np.bool_(True),),
         "d": float("nan"),
     }
-    assert jsonable(value) == {"a": 1.5, "b": [0, 1, 2], "4": [1, 2], "c": [True], "d": "nan"}
+    converted = jsonable(value)
+    assert math.isnan(converted.pop("d"))  # kept a float: the reply paths refuse it by name
+    assert converted == {"a": 1.5, "b": [0, 1, 2], "4": [1, 2], "c": [True]}
 
 
 def test_step_frame_is_the_frame_of_step_byte_for_byte() -> None:

@@ -200,3 +200,61 @@ __all__ = [
     "marked_env",
     "shell_ledger_env",
 ]
+
+
+class DoorEnv:
+    """Three turns, deterministic: turn 1's action decides the last reward, turn 2's pays a
+    bonus now (the turn-credit tests derive their values by hand from these rules).
+
+    * turn 1 (in the ``cell``): ``a`` takes the key; the next observation is ``hall`` either way;
+    * turn 2 (at ``hall``): ``b`` pays 0.5; next ``door``;
+    * turn 3 (at ``door``): pays 1.0 with the key, else 0, and terminates.
+    """
+
+    pure_step = True
+    max_turns = 3
+
+    def __init__(self) -> None:
+        self.turn, self.key = 0, False
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> tuple[str, dict[str, Any]]:
+        self.turn, self.key = 0, False
+        return "cell", {}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        self.turn += 1
+        if self.turn == 1:
+            self.key = action.strip() == "a"
+            return "hall", 0.0, False, False, {}
+        if self.turn == 2:
+            return "door", 0.5 if action.strip() == "b" else 0.0, False, False, {}
+        return "", 1.0 if self.key else 0.0, True, False, {}
+
+    def close(self) -> None:
+        pass
+
+
+class UnforkableDoorEnv(DoorEnv):
+    """A DoorEnv that says it cannot be forked (it stands for one holding a shell)."""
+
+    pure_step = False
+    forkable = False
+
+
+class SerialDoorEnv(DoorEnv):
+    """A DoorEnv whose observations show the instance's serial number: a replay on a fresh
+    instance never reaches the recorded state (an env not deterministic given its seed)."""
+
+    pure_step = False
+    made = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        SerialDoorEnv.made += 1
+        self.serial = SerialDoorEnv.made
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        observation, *rest = super().step(action)
+        if observation:
+            observation = f"{observation} {self.serial}"
+        return (observation, *rest)  # type: ignore[return-value]

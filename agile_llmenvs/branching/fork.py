@@ -217,18 +217,24 @@ class ProcessForkStrategy:
         self.env, self.env_factory = env, env_factory
         self._zygote: _Zygote | None = None
 
-    def hold(self, checkpoint: Checkpoint) -> _ForkCheckpoint:
+    def hold(self, checkpoint: Checkpoint, env: Environment | None = None) -> _ForkCheckpoint:
         """Start a holder process with the env at ``checkpoint``.
+
+        Args:
+            checkpoint: The state to hold.
+            env: The env to ship, as it is now (default: the strategy's): one strategy, and
+                one zygote, then serves the checkpoints of many envs (a training batch's).
 
         Raises:
             BranchError: The env does not pickle and there is no ``env_factory`` to rebuild
                 it from.
         """
-        if isinstance(self.env, ForkedEnvironment):
-            return _ForkCheckpoint(self.env.fork(), checkpoint.state)
+        env = self.env if env is None else env
+        if isinstance(env, ForkedEnvironment):
+            return _ForkCheckpoint(env.fork(), checkpoint.state)
         if self._zygote is None:
             self._zygote = _Zygote.start()
-        holder, state = self._zygote.adopt(self._payload(checkpoint))
+        holder, state = self._zygote.adopt(self._payload(checkpoint, env))
         return _ForkCheckpoint(holder, state)
 
     def close(self) -> None:
@@ -237,13 +243,13 @@ class ProcessForkStrategy:
             self._zygote.close()
             self._zygote = None
 
-    def _payload(self, checkpoint: Checkpoint) -> bytes:
+    def _payload(self, checkpoint: Checkpoint, env: Environment) -> bytes:
         try:
-            return bytes(cloudpickle.dumps(("env", self.env, checkpoint.state)))
+            return bytes(cloudpickle.dumps(("env", env, checkpoint.state)))
         except Exception as exc:
             if self.env_factory is None:
                 raise BranchError(
-                    f"process_fork ships {self.env.spec.name!r} to its branch processes and "
+                    f"process_fork ships {env.spec.name!r} to its branch processes and "
                     f"it does not pickle ({type(exc).__name__}: {exc}); pass env_factory so "
                     "they can rebuild it by replay"
                 ) from exc

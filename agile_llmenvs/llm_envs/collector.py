@@ -31,10 +31,13 @@ from agile_llmenvs.transport.session_loop import SESSION_LOOP
 if TYPE_CHECKING:  # llm_envs does not import the backends layer
     from agile_llmenvs.backends.types import AsyncTokenBackend, SamplingParams
 
-__all__ = ["EpisodeHandle", "Generate", "RolloutCollector"]
+__all__ = ["EpisodeHandle", "Generate", "Observer", "RolloutCollector"]
 
 Generate = Callable[[list[list[int]]], Sequence[Any]]
 """A policy: context ids of every live slot -> sampled ids (or ``(ids, logps)``) for each."""
+
+Observer = Callable[[dict[int, RolloutHarness]], None]
+"""Sees the harness of every live slot, by slot, before each generation of a batch."""
 
 
 @dataclass(frozen=True)
@@ -231,17 +234,25 @@ class RolloutCollector:
         return trajectories
 
     def collect(
-        self, generate: Generate, *, dynamic_sampling: bool = False, max_attempts: int = 4
+        self,
+        generate: Generate,
+        *,
+        dynamic_sampling: bool = False,
+        max_attempts: int = 4,
+        observe: Observer | None = None,
     ) -> RolloutBatch:
         """Play a whole batch with ``generate`` as the policy.
 
         With ``dynamic_sampling``, groups whose rewards are all equal are dropped and the
         batch is refilled from new tasks, for at most ``max_attempts`` rounds; the batch is
         then topped up with uninformative groups so every rank returns the same count.
+        ``observe`` is called with the harness of every live slot (by slot) after the resets
+        and after each turn, before the next generation: the point to checkpoint their
+        episodes (``credit: turn_mc``).
         """
         builder = self._batch_builder(dynamic_sampling, max_attempts)
         while builder.wants_round():
-            builder.add_round(self._play(generate))
+            builder.add_round(self._play(generate, observe))
         return builder.batch()
 
     def _batch_builder(self, dynamic_sampling: bool, max_attempts: int) -> BatchBuilder:
@@ -254,9 +265,13 @@ class RolloutCollector:
             max_attempts=max_attempts,
         )
 
-    def _play(self, generate: Generate) -> list[tuple[Trajectory, ...]]:
+    def _play(
+        self, generate: Generate, observe: Observer | None = None
+    ) -> list[tuple[Trajectory, ...]]:
         self.reset()
         while live := self.contexts():
+            if observe is not None:
+                observe({i: self._harness(i) for i in live})
             slots = list(live)
             outputs = generate([live[i] for i in slots])
             completions, logps = {}, {}

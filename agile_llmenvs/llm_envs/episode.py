@@ -157,6 +157,7 @@ class EpisodeState:
     texts: list[TurnText] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
     prompt_text: str = ""
+    reset_kwargs: dict[str, Any] = field(default_factory=dict)
     stop_reason: StopReason | None = None
     info: dict[str, Any] = field(default_factory=dict)
 

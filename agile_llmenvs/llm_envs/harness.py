@@ -12,6 +12,7 @@ Every method that talks to the env has a blocking and an async form (``reset`` /
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -251,6 +252,11 @@ class RolloutHarness:
         return dict(self._require_episode().info)
 
     @property
+    def turns_played(self) -> int:
+        """Turns the current episode has played."""
+        return self._require_episode().turn
+
+    @property
     def context_ids(self) -> list[int]:
         """A copy of the current sample's ids: the prompt of the next generation."""
         return list(self._require_episode().ids)
@@ -302,8 +308,10 @@ class RolloutHarness:
             if not 0 <= index < len(rows):
                 raise IndexError(f"row_index {index} is outside the {len(rows)} tasks")
             task = {**rows[index], **task}
-        reply = yield EnvCall("reset", kwargs={"seed": seed, **task})
+        kwargs = {"seed": seed, **task}
+        reply = yield EnvCall("reset", kwargs=kwargs)
         episode = self._episode = EpisodeState(info=self.renderer.env_info(reply))
+        episode.reset_kwargs = kwargs
         episode.prompt_text = yield from self._first_prompt(reply)
         head = "\n\n".join(filter(None, [self.config.instruction, episode.prompt_text]))
         content = with_images(head, self.renderer.images(reply))
@@ -360,6 +368,31 @@ class RolloutHarness:
         return EpisodeData(
             tuple(episode.samples), tuple(episode.rewards), episode.stop_reason, dict(episode.info)
         )
+
+    def snapshot(self) -> EpisodeState:
+        """A copy of the running episode as it is now: its ids, masks, rewards, messages and
+        the texts of the turns played (:attr:`EpisodeState.texts`), to :meth:`branch` from.
+
+        Raises:
+            EnvStateError: no episode is running.
+        """
+        episode = self._require_episode()
+        if episode.stop_reason is not None:
+            raise EnvStateError(f"the episode is over ({episode.stop_reason}); nothing to copy")
+        return copy.deepcopy(episode)
+
+    def branch(self, snapshot: EpisodeState, client: EnvClientProtocol) -> RolloutHarness:
+        """A harness that goes on from ``snapshot`` (taken by :meth:`snapshot`) on
+        ``client``, an env at that point of the episode (a branch of this harness's env).
+
+        The new harness shares this one's settings, tokenizer and framing; its episode is a
+        copy of the snapshot's, so any number of branches go on independently: the
+        Monte-Carlo continuations of ``credit: turn_mc``.
+        """
+        twin = copy.copy(self)
+        twin.client = client
+        twin._episode = copy.deepcopy(snapshot)
+        return twin
 
     def abort(self, reason: str = "aborted by the caller") -> None:
         """End a running episode early (``StopReason.ABORTED``); its data stays readable."""

@@ -416,6 +416,36 @@ class TrainingSpec(BaseModel):
         1, ge=1, description="GRPO: optimizer steps per pass (the batch's rows split evenly)."
     )
 
+    credit: Literal["episode", "turn_mc", "anchor"] = Field(
+        "episode",
+        description="GRPO: how a multi-turn episode's advantage is shared among its turns "
+        "(docs/training.md#turn-level-credit): `episode`, every turn the episode's; `turn_mc`, "
+        "each turn `r_t + V(s_t+1) - V(s_t)`, with V the mean return of `credit_rollouts` "
+        "continuations branched from the state; `anchor`, turns acting from the same "
+        "observation within a group compared with each other (GiGPO-style, no extra rollouts).",
+    )
+    credit_rollouts: int = Field(
+        4, ge=1, description="GRPO `turn_mc`: continuations run from each branched state."
+    )
+    credit_turns: str = Field(
+        "all",
+        pattern=r"^(all|first:[1-9][0-9]*|entropy:[1-9][0-9]*)$",
+        description="GRPO `turn_mc`: the turn boundaries branched: `all`, `first:N` (the "
+        "states before turns 2..N+1), or `entropy:N` (before the N turns, after the first, "
+        "whose sampled tokens were the least likely: the highest estimated entropy).",
+    )
+    credit_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="GRPO `turn_mc`: tokens one continuation may sample; one past it ends at "
+        "that turn, its return the rewards so far (unset: the episode's own turn budget).",
+    )
+    credit_branching: Literal["auto", "direct", "process_fork", "action_replay"] = Field(
+        "auto",
+        description="GRPO `turn_mc`: how states are branched (docs/branching.md): `auto`, "
+        "`direct` for an env that declares `pure_step = True`, else `process_fork`.",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _check_renamed(cls, data: Any) -> Any:
@@ -429,6 +459,26 @@ class TrainingSpec(BaseModel):
             raise fail("report_to", f"names a tracker twice: {self.report_to}")
         if "tensorboard" in self.report_to and self.tensorboard is False:
             raise fail("report_to", "names tensorboard, but `tensorboard: false`: drop one")
+        return self
+
+    @model_validator(mode="after")
+    def _check_credit(self) -> TrainingSpec:
+        if self.credit == "episode":
+            return self
+        if self.algorithm != "grpo":
+            raise fail("credit", f"{self.credit!r} is GRPO's; {self.algorithm!r} has no turns")
+        if self.credit == "turn_mc" and self.generation_backend == "vllm_server":
+            raise fail(
+                "credit",
+                "'turn_mc' branches states on the lock-step path; `generation_backend: "
+                "vllm_server` plays episodes ahead on servers: use `hf` or `vllm`",
+            )
+        if self.credit == "turn_mc" and self.dynamic_sampling:
+            raise fail(
+                "credit",
+                "'turn_mc' values the states of the batch it trains on; with "
+                "`dynamic_sampling: true` rounds are dropped and refilled: set one of them off",
+            )
         return self
 
     @model_validator(mode="after")

@@ -24,25 +24,32 @@ from typing import Any
 
 import torch
 
-from agile_llmenvs.llm_envs.trajectory import RolloutBatch
+from agile_llmenvs.llm_envs.trajectory import RolloutBatch, Trajectory
 from agile_llmenvs.specs import RunManifest, TrainingSpec
 from agile_llmenvs.training.checkpoint import save_checkpoint
 from agile_llmenvs.training.common import (
     TrainResult,
     training_spec,
 )
+from agile_llmenvs.training.credit import batch_turn_advantages
 from agile_llmenvs.training.env_failures import EnvFailures
 from agile_llmenvs.training.grpo_setup import GRPORun, setup_run, step_seed
 from agile_llmenvs.training.grpo_update import grpo_update
 from agile_llmenvs.training.held_out import EVAL_METRICS
 from agile_llmenvs.training.interrupt import StopRequest
-from agile_llmenvs.training.losses import group_advantages, group_rewards
+from agile_llmenvs.training.losses import group_advantages, group_rewards, reward_scale
 from agile_llmenvs.training.metrics import MetricsWriter, plot_metrics
 from agile_llmenvs.training.policy_batch import PolicyBatch, build_policy_batch
 from agile_llmenvs.training.progress import Progress
 from agile_llmenvs.training.rollout_log import ROLLOUTS_FILE, RolloutLog
 from agile_llmenvs.training.run_folder import RunPlan, plan_run, start_run
 from agile_llmenvs.training.trackers import open_trackers, tensorboard_setting
+from agile_llmenvs.training.turn_values import (
+    CreditSettings,
+    StateValues,
+    collector_checkpoints,
+    estimate_values,
+)
 
 __all__ = ["GRPO_METRICS", "PolicyBatch", "build_policy_batch", "train_grpo"]
 
@@ -71,6 +78,11 @@ GRPO_METRICS = (
     "dropped_groups",
     "stale_groups",
     "policy_lag_max",
+    "policy_tokens",
+    "credit_tokens",
+    "credit_states",
+    "credit_fallback_episodes",
+    "credit_time_s",
     "learning_rate",
     *EVAL_METRICS,
 )
@@ -212,27 +224,53 @@ def _step(
     or the servers; ``rollouts`` (the main process's) then logs a few episodes when the step
     is due, and its failed ones always; ``failures`` reports new kinds of env failure.
 
-    ``env_time_s`` is everything but generation, learning and the weight sync: the envs,
-    the harness, the collector, advantages and batch building. With servers the rollouts
+    ``env_time_s`` is everything but generation, learning, the weight sync and the
+    ``turn_mc`` continuations (``credit_time_s``): the envs, the harness, the collector,
+    advantages and batch building. With servers the rollouts
     were played ahead; ``gen_time_s`` is then the time this step waited for them.
     """
     step_start = time.perf_counter()
-    rollout, rewards_GN, gen_time = _collect(run, config, seed, step - 1)
+    rollout, rewards_GN, gen_time, values = _collect(run, config, seed, step - 1)
     finished_GN = torch.tensor([not t.failed for t in rollout.trajectories])
     finished_GN = finished_GN.view_as(rewards_GN)
     fresh_GN = torch.ones_like(finished_GN)
     if run.server is not None:  # a stale group is dropped whole: its advantages are relative
         stale_G = torch.tensor(run.server.stale_groups(rollout, step - 1))
         fresh_GN &= ~stale_G[:, None]
+    trained_GN = finished_GN & fresh_GN
+    over_processes = _sum_over_processes(run.accelerator)
     advantages_GN, kept_GN = group_advantages(
         rewards_GN,
         scale=config.scale_rewards,
-        finished_GN=finished_GN & fresh_GN,
-        sum_over_processes=_sum_over_processes(run.accelerator),
+        finished_GN=trained_GN,
+        sum_over_processes=over_processes,
     )
+    turns = None
+    if config.credit != "episode":  # each turn its own share (docs/training.md)
+        scale_G1 = reward_scale(
+            rewards_GN,
+            scale=config.scale_rewards,
+            finished_GN=trained_GN,
+            sum_over_processes=over_processes,
+        )
+        turns = batch_turn_advantages(
+            config.credit,
+            rollout.trajectories,
+            rewards_GN,
+            advantages_GN,
+            kept_GN,
+            scale_G1,
+            values.values if values is not None else None,
+        )
     pad_id = run.tokenizer.pad_token_id or 0
     advantages_B = advantages_GN.flatten().float()  # centred in float64, trained in float32
-    batch = build_policy_batch(rollout, advantages_B, pad_id, kept_GN.flatten().tolist())
+    batch = build_policy_batch(
+        rollout,
+        advantages_B,
+        pad_id,
+        kept_GN.flatten().tolist(),
+        turn_advantages=turns.per_turn if turns is not None else None,
+    )
     learning_rate = run.learner.scheduler.get_last_lr()[0]
     learn_start = time.perf_counter()
     losses = grpo_update(run.learner, batch.to(run.accelerator.device), run.settings, run.reference)
@@ -244,9 +282,11 @@ def _step(
         run.server.sync(run.accelerator.unwrap_model(run.model), version=step)
     sync_time = time.perf_counter() - sync_start
     step_time = time.perf_counter() - step_start
+    credit_time = values.seconds if values is not None else 0.0
     timings = {
+        "credit_time_s": credit_time,
         "gen_time_s": gen_time,
-        "env_time_s": step_time - gen_time - learn_time - sync_time,
+        "env_time_s": step_time - gen_time - credit_time - learn_time - sync_time,
         "learn_time_s": learn_time,
         "weight_sync_time_s": sync_time,
         "step_time_s": step_time,
@@ -255,6 +295,10 @@ def _step(
         "failed_episodes": float((~finished_GN).sum()),
         "dropped_groups": float((~kept_GN.any(dim=1)).sum()),
         "stale_groups": float((~fresh_GN.all(dim=1)).sum()),
+        "policy_tokens": float(sum(_sampled_tokens(t) for t in rollout.trajectories)),
+        "credit_tokens": float(values.tokens if values is not None else 0),
+        "credit_states": float(values.states if values is not None else 0),
+        "credit_fallback_episodes": float(turns.fallback_episodes if turns is not None else 0),
     }
     measured = {
         **losses,
@@ -317,24 +361,44 @@ def _policy_lag(rollout: RolloutBatch, kept_GN: torch.Tensor, version: int) -> f
 
 def _collect(
     run: GRPORun, config: TrainingSpec, seed: int, step_index: int
-) -> tuple[RolloutBatch, torch.Tensor, float]:
+) -> tuple[RolloutBatch, torch.Tensor, float, StateValues | None]:
     """The batch of step ``step_index`` (0-based): played now with the current policy, or
-    (servers) the round played ahead for it. Returns it, its rewards ``[G, N]`` and the
-    seconds spent generating (with servers: waiting for the round)."""
+    (servers) the round played ahead for it. Returns it, its rewards ``[G, N]``, the
+    seconds spent generating its episodes (with servers: waiting for the round), and with
+    ``credit: turn_mc`` the values of its states (continuations branched from checkpoints
+    taken while it played)."""
     if run.server is not None:
         played, waited = run.server.next_round(step_index)
         rewards_GN = group_rewards([t.reward for t in played.batch.trajectories], config.group_size)
-        return played.batch, rewards_GN, waited
+        return played.batch, rewards_GN, waited, None
     run.sampler.params = dataclasses.replace(run.sampler.params, seed=seed)
     run.sampler.seconds, run.sampler.calls = 0.0, 0
     run.accelerator.unwrap_model(run.model).eval()
+    checkpoints = None
+    if config.credit == "turn_mc":
+        checkpoints = collector_checkpoints(run.collector, CreditSettings.from_spec(config))
+    values = None
     with torch.no_grad():
-        rollout = run.collector.collect(run.sampler, dynamic_sampling=config.dynamic_sampling)
+        try:
+            rollout = run.collector.collect(
+                run.sampler, dynamic_sampling=config.dynamic_sampling, observe=checkpoints
+            )
+            gen_time = run.sampler.seconds
+            if checkpoints is not None:
+                values = estimate_values(checkpoints, rollout.trajectories, run.sampler)
+        finally:
+            if checkpoints is not None:
+                checkpoints.release()
         run.sampler.drain()
     if run.engine is not None:  # learning has the device (sleep_between_steps)
         run.engine.sleep()
     rewards_GN = group_rewards([t.reward for t in rollout.trajectories], config.group_size)
-    return rollout, rewards_GN, run.sampler.seconds
+    return rollout, rewards_GN, gen_time, values
+
+
+def _sampled_tokens(trajectory: Trajectory) -> int:
+    """Tokens the policy sampled in ``trajectory``'s episode."""
+    return sum(sum(sample.action_mask) for sample in trajectory.episode.samples)
 
 
 def _save(output_dir: Path, step: int, run: GRPORun) -> Path:

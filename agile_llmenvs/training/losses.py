@@ -24,8 +24,10 @@ __all__ = [
     "approx_kl",
     "dpo_loss",
     "group_advantages",
+    "group_means",
     "group_rewards",
     "policy_token_loss",
+    "reward_scale",
     "token_weights",
 ]
 
@@ -77,19 +79,57 @@ def group_advantages(
     """
     if finished_GN is None:
         finished_GN = torch.ones_like(rewards_GN, dtype=torch.bool)
+    mean_G1, kept_GN = group_means(rewards_GN, finished_GN)
+    centred_GN = (rewards_GN - mean_G1) * finished_GN.to(rewards_GN.dtype)
+    centred_GN = centred_GN / reward_scale(
+        rewards_GN,
+        scale=scale,
+        finished_GN=finished_GN,
+        sum_over_processes=sum_over_processes,
+        eps=eps,
+    )
+    return torch.where(kept_GN, centred_GN, torch.zeros_like(centred_GN)), kept_GN
+
+
+def group_means(
+    rewards_GN: torch.Tensor, finished_GN: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's mean reward over its finished members (``[G, 1]``), and which members
+    train: the finished members of groups with at least two of them."""
     weight_GN = finished_GN.to(rewards_GN.dtype)
     count_G1 = weight_GN.sum(dim=1, keepdim=True)
-    kept_GN = finished_GN & (count_G1 >= 2)
     mean_G1 = (rewards_GN * weight_GN).sum(dim=1, keepdim=True) / count_G1.clamp(min=1.0)
-    centred_GN = (rewards_GN - mean_G1) * weight_GN
+    return mean_G1, finished_GN & (count_G1 >= 2)
+
+
+def reward_scale(
+    rewards_GN: torch.Tensor,
+    *,
+    scale: ScaleRewards,
+    finished_GN: torch.Tensor | None = None,
+    sum_over_processes: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """What :func:`group_advantages` divides each group's centred rewards by (``[G, 1]``, or
+    a scalar for ``batch``): the std ``scale`` names plus ``eps``, or 1 for ``none``.
+
+    Raises:
+        ValueError: ``scale`` is not ``group``, ``batch`` or ``none``.
+    """
+    if finished_GN is None:
+        finished_GN = torch.ones_like(rewards_GN, dtype=torch.bool)
+    mean_G1, kept_GN = group_means(rewards_GN, finished_GN)
+    weight_GN = finished_GN.to(rewards_GN.dtype)
     if scale == "group":
+        count_G1 = weight_GN.sum(dim=1, keepdim=True)
+        centred_GN = (rewards_GN - mean_G1) * weight_GN
         variance_G1 = (centred_GN**2).sum(dim=1, keepdim=True) / (count_G1 - 1).clamp(min=1.0)
-        centred_GN = centred_GN / (variance_G1.sqrt() + eps)
-    elif scale == "batch":
-        centred_GN = centred_GN / (_batch_std(rewards_GN, kept_GN, sum_over_processes) + eps)
-    elif scale != "none":
+        return variance_G1.sqrt() + eps
+    if scale == "batch":
+        return _batch_std(rewards_GN, kept_GN, sum_over_processes) + eps
+    if scale != "none":
         raise ValueError(f"unknown scale {scale!r}: expected 'group', 'batch' or 'none'")
-    return torch.where(kept_GN, centred_GN, torch.zeros_like(centred_GN)), kept_GN
+    return torch.ones_like(mean_G1)
 
 
 def _batch_std(
@@ -200,7 +240,8 @@ def policy_token_loss(
     between the generation and the training forward pass.
     """
     ratio_BT = torch.exp(logps_BT - sampling_logps_BT)
-    advantages_BT = advantages_B[:, None]
+    # one advantage per row (the episode's), or per token (turn-level credit)
+    advantages_BT = advantages_B[:, None] if advantages_B.dim() == 1 else advantages_B
     unclipped_BT = ratio_BT * advantages_BT
     clipped_term_BT = torch.clamp(ratio_BT, 1.0 - clip_eps, 1.0 + clip_eps) * advantages_BT
     loss_BT = -torch.minimum(unclipped_BT, clipped_term_BT)

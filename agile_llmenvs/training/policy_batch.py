@@ -28,7 +28,8 @@ class PolicyBatch:
         action_mask_BT: ``[B, T - 1]``; True where the next token was sampled by the policy.
         sampling_logps_BT: ``[B, T - 1]``; the sampler's log-prob of that token (0 off the
             mask; NaN where the sampler gave none).
-        advantages_B: The advantage of the episode each row belongs to.
+        advantages_B: The advantage of the episode each row belongs to; or, with
+            turn-level credit, ``[B, T - 1]``: each target's turn's advantage (0 off the mask).
         images_B: The images each row shows (a vision-language policy's), with their
             tensors; empty when no row shows any.
     """
@@ -59,7 +60,9 @@ class PolicyBatch:
             self.attention_mask_BT[rows, :width],
             self.action_mask_BT[rows, : width - 1],
             self.sampling_logps_BT[rows, : width - 1],
-            self.advantages_B[rows],
+            self.advantages_B[rows]
+            if self.advantages_B.dim() == 1
+            else self.advantages_B[rows, : width - 1],
             self.images_B[rows],
         )
 
@@ -78,6 +81,7 @@ def build_policy_batch(
     advantages: torch.Tensor,
     pad_id: int,
     kept: Sequence[bool] | None = None,
+    turn_advantages: Sequence[Sequence[float] | None] | None = None,
 ) -> PolicyBatch:
     """Lay out every token sample of ``rollout``, with its episode's advantage.
 
@@ -86,19 +90,25 @@ def build_policy_batch(
     group left with fewer than two finished episodes). A turn the sampler gave no log-probs
     for has NaN there (:func:`grpo_update` scores it with the policy).
 
+    With ``turn_advantages`` (one entry per trajectory: its advantage per turn, or None for
+    the episode's), each sampled token gets its turn's advantage, through the sample's
+    ``turn_ids``, and ``advantages_B`` is ``[B, T - 1]``.
+
     Raises:
         ValueError: a sample's log-probs are neither one per sampled token nor absent.
     """
-    samples, row_advantages = [], []
+    samples, row_advantages, row_turns = [], [], []
     keep = kept if kept is not None else [True] * len(rollout.trajectories)
-    for trajectory, advantage, keep_it in zip(
-        rollout.trajectories, advantages.tolist(), keep, strict=True
+    per_turn = turn_advantages if turn_advantages is not None else [None] * len(keep)
+    for trajectory, advantage, keep_it, turns in zip(
+        rollout.trajectories, advantages.tolist(), keep, per_turn, strict=True
     ):
         if not keep_it:
             continue
         for sample in trajectory.episode.samples:
             samples.append(sample)
             row_advantages.append(advantage)
+            row_turns.append(turns)
     rows = len(samples)
     width = max((len(sample.token_ids) for sample in samples), default=2)
     padded = [(sample, width - len(sample.token_ids)) for sample in samples]
@@ -114,11 +124,32 @@ def build_policy_batch(
     # each row's sampled tokens, in order, are its mask's True positions, rows in order
     sampling_logps[action_mask] = torch.from_numpy(sampled)
     advantages_B = torch.tensor(row_advantages, dtype=torch.float32)
+    if turn_advantages is not None:
+        advantages_B = _token_advantages(samples, advantages_B, row_turns, action_mask)
     images = tuple(sample.images for sample in samples)
     images_B = images if any(images) else ()
     return PolicyBatch(
         input_ids, attention_mask, action_mask, sampling_logps, advantages_B, images_B
     )
+
+
+def _token_advantages(
+    samples: Sequence[TokenSample],
+    advantages_B: torch.Tensor,
+    turns: Sequence[Sequence[float] | None],
+    action_mask_BT: torch.Tensor,
+) -> torch.Tensor:
+    """``[B, T - 1]``: each sampled target's turn's advantage (a row without per-turn values
+    gets its episode's on every target), 0 off the mask."""
+    rows, width = action_mask_BT.shape
+    advantages_BT = advantages_B[:, None].expand(rows, width).clone()
+    for row, (sample, values) in enumerate(zip(samples, turns, strict=True)):
+        if values is None:
+            continue
+        turn_ids = torch.tensor(sample.turn_ids, dtype=torch.long).clamp(min=0)
+        per_turn = torch.tensor(values, dtype=torch.float32)
+        advantages_BT[row, : len(turn_ids)] = per_turn[turn_ids]
+    return torch.where(action_mask_BT, advantages_BT, torch.zeros_like(advantages_BT))
 
 
 def _sampled_logps(sample: TokenSample) -> Sequence[float]:

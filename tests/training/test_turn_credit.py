@@ -1,0 +1,305 @@
+"""Turn-level credit (``training.credit``): Monte-Carlo state values from branched
+continuations, the per-turn advantages and their per-token weights, all derived by hand on
+:class:`branch_envs.DoorEnv` with a scripted policy.
+
+The policy answers a context by the latest of ``cell`` / ``hall`` / ``door`` it shows, the
+k-th time it sees that exact context (ids) taking ``SCRIPTS[where][k % len]``. A group of two
+plays one task, slot 0 first:
+
+* episode 0: ``a`` (the key), ``b`` (+0.5), ``z`` (+1.0): rewards (0, 0.5, 1.0), return 1.5;
+* episode 1: ``x``, ``b`` (+0.5), ``z`` (no key, 0): rewards (0, 0.5, 0), return 0.5.
+
+Two continuations from each state. From episode 0's ``s_1`` (after ``a``, at the hall, seen
+once already) the policy says ``y`` then ``b``: returns 0 + 1.0 and 0.5 + 1.0, so
+``V = 1.25``; from its ``s_2`` (at the door) ``z`` twice: ``V = 1.0``. Episode 1: ``s_1``
+gives 0 + 0 and 0.5 + 0, ``V = 0.25``; ``s_2`` gives 0, ``V = 0``. ``V(s_0)`` is the group's
+mean return, 1.0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from branch_envs import DoorEnv, SerialDoorEnv, UnforkableDoorEnv
+from pydantic import ValidationError
+
+from agile_llmenvs.llm_envs import RolloutCollector, RolloutHarness
+from agile_llmenvs.llm_envs.trajectory import RolloutBatch
+from agile_llmenvs.specs import RunManifest
+from agile_llmenvs.training import train_grpo
+from agile_llmenvs.training.credit import (
+    anchor_key,
+    anchor_turn_advantages,
+    batch_turn_advantages,
+    mc_turn_advantages,
+)
+from agile_llmenvs.training.losses import group_advantages, group_rewards, reward_scale
+from agile_llmenvs.training.policy_batch import build_policy_batch
+from agile_llmenvs.training.turn_values import (
+    CreditSettings,
+    StateValues,
+    collector_checkpoints,
+    estimate_values,
+)
+
+SCRIPTS = {"cell": ["a", "x"], "hall": ["b", "y", "b"], "door": ["z"]}
+#: The sampler's log-prob of every token, by where the policy is (``entropy:N`` reads them).
+LOGPS = {"cell": -0.1, "hall": -2.0, "door": -0.5}
+
+VALUES = {0: {1: 1.25, 2: 1.0}, 1: {1: 0.25, 2: 0.0}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def scripted(tokenizer: Any) -> Any:
+    seen: Counter[tuple[int, ...]] = Counter()
+
+    def generate(contexts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+        out = []
+        for context in contexts:
+            text = tokenizer.decode(context)
+            where = max(SCRIPTS, key=text.rfind)
+            script = SCRIPTS[where]
+            action = script[seen[tuple(context)] % len(script)]
+            seen[tuple(context)] += 1
+            ids = [*tokenizer.encode(action, add_special_tokens=False), tokenizer.eos_token_id]
+            out.append((ids, [LOGPS[where]] * len(ids)))
+        return out
+
+    return generate
+
+
+def play(
+    tokenizer: Any, env_cls: type = DoorEnv, **settings: Any
+) -> tuple[RolloutBatch, StateValues, str | None, dict[int, str]]:
+    """One group of two on ``env_cls``, then two continuations from each state chosen."""
+
+    def factory() -> RolloutHarness:
+        return RolloutHarness.local(env_cls(), tokenizer, max_turns=3)
+
+    collector = RolloutCollector(factory, batch_size=1, group_size=2, base_seed=0)
+    checkpoints = collector_checkpoints(collector, CreditSettings(rollouts=2, **settings))
+    generate = scripted(tokenizer)
+    try:
+        batch = collector.collect(generate, observe=checkpoints)
+        values = estimate_values(checkpoints, batch.trajectories, generate)
+        strategy = checkpoints.strategy_name
+        refused = dict(checkpoints.refused)
+    finally:
+        checkpoints.release()
+        collector.close()
+    return batch, values, strategy, refused
+
+
+def advantages(batch: RolloutBatch, values: StateValues, scale: str = "none") -> Any:
+    rewards_GN = group_rewards([t.reward for t in batch.trajectories], 2)
+    advantages_GN, kept_GN = group_advantages(rewards_GN, scale=scale)  # type: ignore[arg-type]
+    scale_G1 = reward_scale(rewards_GN, scale=scale)  # type: ignore[arg-type]
+    turns = batch_turn_advantages(
+        "turn_mc", batch.trajectories, rewards_GN, advantages_GN, kept_GN, scale_G1, values.values
+    )
+    return turns, advantages_GN
+
+
+def test_the_episodes_play_as_scripted(tokenizer: Any) -> None:
+    batch, _, _, _ = play(tokenizer)
+    assert [t.episode.rewards for t in batch.trajectories] == [(0.0, 0.5, 1.0), (0.0, 0.5, 0.0)]
+
+
+@pytest.mark.parametrize("branching", ["auto", "direct", "process_fork", "action_replay"])
+def test_state_values_equal_the_hand_derived_means(tokenizer: Any, branching: str) -> None:
+    _, values, strategy, refused = play(tokenizer, branching=branching)
+    assert strategy == ("direct" if branching == "auto" else branching)
+    assert refused == {}
+    assert values.values == VALUES
+    assert values.states == 4
+    assert values.failed == 0
+    # 8 continuations: from s_1 two turns ("y" or "b", then "z"), from s_2 one ("z")
+    size = {c: len(tokenizer.encode(c, add_special_tokens=False)) + 1 for c in "ybz"}
+    per_episode = (size["y"] + size["z"]) + (size["b"] + size["z"]) + 2 * size["z"]
+    assert values.tokens == 2 * per_episode
+
+
+def test_turn_advantages_are_reward_plus_next_value_minus_value(tokenizer: Any) -> None:
+    batch, values, _, _ = play(tokenizer)
+    turns, _ = advantages(batch, values)
+    # episode 0: 0 + 1.25 - 1.0, 0.5 + 1.0 - 1.25, 1.0 + 0 - 1.0
+    # episode 1: 0 + 0.25 - 1.0, 0.5 + 0.0 - 0.25, 0.0 + 0 - 0.0
+    assert turns.per_turn == [[0.25, 0.25, 0.0], [-0.75, 0.25, 0.0]]
+    assert turns.fallback_episodes == 0
+
+
+def test_group_scale_divides_every_turn_by_the_groups_std(tokenizer: Any) -> None:
+    batch, values, _, _ = play(tokenizer)
+    turns, advantages_GN = advantages(batch, values, scale="group")
+    std = (((1.5 - 1.0) ** 2 + (0.5 - 1.0) ** 2) / (2 - 1)) ** 0.5 + 1e-4
+    expected = [[0.25 / std, 0.25 / std, 0.0], [-0.75 / std, 0.25 / std, 0.0]]
+    for got, want in zip(turns.per_turn, expected, strict=True):
+        assert got == pytest.approx(want, abs=1e-12)
+    # each episode's turns sum to its GRPO advantage, (R - mean) / std
+    assert [sum(t) for t in turns.per_turn] == pytest.approx(advantages_GN.flatten().tolist())
+
+
+def test_each_sampled_token_is_weighted_by_its_turns_advantage(tokenizer: Any) -> None:
+    batch, values, _, _ = play(tokenizer)
+    turns, advantages_GN = advantages(batch, values)
+    policy = build_policy_batch(
+        batch, advantages_GN.flatten().float(), 0, turn_advantages=turns.per_turn
+    )
+    assert policy.advantages_B.shape == policy.action_mask_BT.shape
+    for row, trajectory in enumerate(batch.trajectories):
+        sample = trajectory.episode.sample
+        expected = [
+            turns.per_turn[row][turn] if sampled else 0.0
+            for sampled, turn in zip(sample.action_mask, sample.turn_ids, strict=True)
+        ]
+        width = len(sample.action_mask)
+        assert policy.advantages_B[row, :width].tolist() == expected
+        assert policy.advantages_B[row, width:].abs().sum() == 0
+    assert policy.select(slice(1, 2)).advantages_B.tolist()[0][:width] == expected
+
+
+def test_first_n_values_only_the_first_states(tokenizer: Any) -> None:
+    batch, values, _, _ = play(tokenizer, turns="first:1")
+    assert values.values == {0: {1: 1.25}, 1: {1: 0.25}}
+    turns, _ = advantages(batch, values)
+    # turns 1 and 2 share r_1 + r_2 + 0 - V(s_1): 1.5 - 1.25 and 0.5 - 0.25
+    assert turns.per_turn == [[0.25, 0.25, 0.25], [-0.75, 0.25, 0.25]]
+
+
+def test_entropy_n_values_the_state_after_the_least_likely_turn(tokenizer: Any) -> None:
+    # the hall turn's tokens have log-prob -2.0 against the first turn's -0.1: it is branched
+    # after, at s_2
+    batch, values, _, _ = play(tokenizer, turns="entropy:1")
+    assert values.values == {0: {2: 1.0}, 1: {2: 0.0}}
+    turns, _ = advantages(batch, values)
+    # turns 0 and 1 share r_0 + r_1 + V(s_2) - V(s_0): 0.5 + 1.0 - 1.0 and 0.5 + 0 - 1.0
+    assert turns.per_turn == [[0.5, 0.5, 0.0], [-0.5, -0.5, 0.0]]
+
+
+def test_max_tokens_ends_a_continuation_with_its_rewards_so_far(tokenizer: Any) -> None:
+    size = len(tokenizer.encode("y", add_special_tokens=False)) + 1
+    _, values, _, _ = play(tokenizer, max_tokens=size)
+    # from s_1 each continuation stops after its first turn: "y" pays 0, "b" 0.5
+    assert values.values == {0: {1: 0.25, 2: 1.0}, 1: {1: 0.25, 2: 0.0}}
+
+
+@pytest.mark.parametrize(
+    ("env_cls", "branching", "reason"),
+    [
+        (UnforkableDoorEnv, "auto", "is not forkable"),
+        (SerialDoorEnv, "action_replay", "not deterministic given its seed and task"),
+    ],
+)
+def test_an_env_that_cannot_branch_keeps_its_episode_advantage_and_is_counted(
+    tokenizer: Any, env_cls: type, branching: str, reason: str
+) -> None:
+    batch, values, _, refused = play(tokenizer, env_cls, branching=branching)
+    assert values.values == {}
+    assert sorted(refused) == [0, 1]
+    assert all(reason in r for r in refused.values())
+    turns, _ = advantages(batch, values)
+    assert turns.per_turn == [None, None]
+    assert turns.fallback_episodes == 2
+
+
+def test_mc_advantages_with_no_values_are_grpos() -> None:
+    assert mc_turn_advantages([0.0, 0.5, 1.0], {}, baseline=1.0, scale=2.0) == [0.25] * 3
+
+
+def test_anchor_compares_turns_that_act_from_the_same_observation() -> None:
+    # returns to go: episode 0 (1, 1, 1), episode 1 (1, 1, 0); the first and last
+    # observations are shared, the middle ones are not (alone in their anchor group: 0)
+    groups = [[([0.0, 0.0, 1.0], [(1,), (2,), (3,)]), ([0.0, 1.0, 0.0], [(1,), (5,), (3,)])]]
+    got = anchor_turn_advantages(groups, [[0.0, 0.0]], [1.0])
+    assert got == [[[0.0, 0.0, 0.5], [0.0, 0.0, -0.5]]]
+
+
+def test_anchor_keys_are_the_observation_ids_since_the_last_action(tokenizer: Any) -> None:
+    batch, _, _, _ = play(tokenizer)
+    rewards_GN = group_rewards([t.reward for t in batch.trajectories], 2)
+    advantages_GN, kept_GN = group_advantages(rewards_GN, scale="none")
+    scale_G1 = reward_scale(rewards_GN, scale="none")
+    turns = batch_turn_advantages(
+        "anchor", batch.trajectories, rewards_GN, advantages_GN, kept_GN, scale_G1
+    )
+    # both episodes see the same prompt, "hall" and "door": each turn's anchor group is the
+    # pair; returns to go (1.5, 1.5, 1.0) and (0.5, 0.5, 0.0), episode advantages +-0.5
+    assert turns.per_turn == [[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]]
+    keys = [[anchor_key(t.episode.sample, k) for k in range(3)] for t in batch.trajectories]
+    assert keys[0] == keys[1]
+    hall = tokenizer.encode("hall", add_special_tokens=False)
+    text = tokenizer.decode(list(keys[0][1]))
+    assert "hall" in text
+    assert "cell" not in text
+    assert all(i in keys[0][1] for i in hall)
+
+
+def door_manifest(model_dir: Path, output_dir: Path, **training: Any) -> RunManifest:
+    return RunManifest.model_validate(
+        {
+            "name": "door",
+            "env": {"env_type": "rollout", "entrypoint": "branch_envs:DoorEnv", "max_turns": 3},
+            "model": {"path": str(model_dir)},
+            "training": {
+                "algorithm": "grpo",
+                "max_steps": 2,
+                "batch_size": 2,
+                "group_size": 2,
+                "max_new_tokens": 4,
+                "log_rollouts_every": 0,
+                "tensorboard": False,
+                "output_dir": str(output_dir),
+                **training,
+            },
+            "seed": 0,
+        }
+    )
+
+
+def test_grpo_trains_with_turn_mc_and_logs_what_the_credit_cost(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    manifest = door_manifest(tiny_model_dir, tmp_path / "run", credit="turn_mc", credit_rollouts=2)
+    result = train_grpo(manifest)
+    assert len(result.metrics) == 2
+    for row in result.metrics:
+        # 4 episodes of 3 turns: states s_1 and s_2 of each valued, 2 continuations each
+        assert row["credit_states"] == 8
+        assert row["credit_fallback_episodes"] == 0
+        assert 0 < row["credit_tokens"] <= 8 * 2 * 2 * 4  # at most 2 turns of 4 tokens
+        assert 0 < row["policy_tokens"] <= 4 * 3 * 4
+        assert row["credit_time_s"] > 0
+        assert math.isfinite(row["loss"])
+
+
+def test_grpo_trains_with_anchor_credit_at_no_extra_cost(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    result = train_grpo(door_manifest(tiny_model_dir, tmp_path / "run", credit="anchor"))
+    assert [row["credit_tokens"] for row in result.metrics] == [0.0, 0.0]
+    assert all(math.isfinite(row["loss"]) for row in result.metrics)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"credit": "turn_mc", "dynamic_sampling": True}, "dynamic_sampling"),
+        ({"credit": "turn_mc", "credit_turns": "some"}, "credit_turns"),
+        ({"credit": "turn_mc", "credit_rollouts": 0}, "credit_rollouts"),
+    ],
+)
+def test_credit_settings_that_cannot_work_are_refused_naming_the_field(
+    tiny_model_dir: Path, tmp_path: Path, settings: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValidationError, match=message):
+        door_manifest(tiny_model_dir, tmp_path, **settings)

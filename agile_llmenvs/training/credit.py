@@ -73,12 +73,21 @@ def mc_turn_advantages(
     return advantages
 
 
-def anchor_key(sample: TokenSample, turn: int) -> tuple[int, ...]:
-    """The ids turn ``turn`` of ``sample`` acts from, since the previous turn's last sampled
-    id (the whole prompt for turn 0): the observation the policy was shown, token-exact."""
-    first = sample.turn_ids.index(turn)  # position describing the turn's first sampled id
-    previous = max((i for i in range(first) if sample.turn_ids[i] == turn - 1), default=None)
-    return tuple(sample.token_ids[0 if previous is None else previous + 2 : first + 1])
+def anchor_key(samples: Sequence[TokenSample], turn: int) -> tuple[int, ...]:
+    """The ids turn ``turn`` of an episode (its ``samples``) acts from, since the previous
+    turn's last sampled id in the same sample (from the sample's start for its first turn):
+    the observation the policy was shown, token-exact.
+
+    Raises:
+        ValueError: no sample holds ``turn``.
+    """
+    for sample in samples:
+        if turn not in sample.turn_ids:
+            continue
+        first = sample.turn_ids.index(turn)  # the position describing its first sampled id
+        previous = max((i for i in range(first) if 0 <= sample.turn_ids[i] < turn), default=None)
+        return tuple(sample.token_ids[0 if previous is None else previous + 2 : first + 1])
+    raise ValueError(f"no sample of the episode holds turn {turn}")
 
 
 def anchor_turn_advantages(
@@ -145,9 +154,10 @@ def batch_turn_advantages(
 ) -> TurnAdvantages:
     """Per-turn advantages of a GRPO batch for ``credit`` (``turn_mc`` or ``anchor``).
 
-    Only kept episodes of two or more turns and one training sample get per-turn values; a
-    ``turn_mc`` one whose slot has no valued state (its env could not branch) falls back to
-    its episode advantage and is counted.
+    Only kept episodes of two or more turns get per-turn values (each sample's tokens through
+    its ``turn_ids``, which count the episode's turns); a ``turn_mc`` one whose slot has no
+    valued state (its env could not branch) falls back to its episode advantage and is
+    counted.
 
     Args:
         credit: ``turn_mc`` or ``anchor``.
@@ -164,14 +174,14 @@ def batch_turn_advantages(
     counts = kept_GN.sum(dim=1).clamp(min=1)
     baselines = ((rewards_GN * kept_GN).sum(dim=1) / counts).tolist()
     eligible = [
-        bool(keep) and len(t.episode.samples) == 1 and t.episode.num_turns >= 2
+        bool(keep) and t.episode.num_turns >= 2
         for t, keep in zip(trajectories, kept_GN.flatten().tolist(), strict=True)
     ]
     if credit == "anchor":
         members = [
             (
                 t.episode.rewards,
-                [anchor_key(t.episode.samples[0], k) for k in range(t.episode.num_turns)],
+                [anchor_key(t.episode.samples, k) for k in range(t.episode.num_turns)],
             )
             if ok
             else None

@@ -37,6 +37,7 @@ from agile_llmenvs.transport.client import InProcessEnvClient
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper, accepted_reset_kwargs
 
 __all__ = [
+    "BranchTextEnv",
     "CreditSettings",
     "StateValues",
     "TurnCheckpoints",
@@ -86,7 +87,7 @@ class CreditSettings:
         ``first:N``."""
         return turn >= 1 and (not self.turns.startswith("first:") or turn <= (self.limit or 0))
 
-    def chosen(self, sample: TokenSample, turns: int) -> set[int]:
+    def chosen(self, samples: Sequence[TokenSample], turns: int) -> set[int]:
         """The boundaries ``t`` (``0 < t < turns``) valued for an episode: all of them, the
         first N, or, for ``entropy:N``, the states after the N turns (of the first
         ``turns - 1``) whose sampled tokens had the highest mean surprisal ``-log p``, the
@@ -94,22 +95,24 @@ class CreditSettings:
         boundaries = set(range(1, turns))
         if self.turns == "all" or self.turns.startswith("first:"):
             return {t for t in boundaries if self.checkpoints_at(t)}
-        surprisal = turn_surprisal(sample, turns)
+        surprisal = turn_surprisal(samples, turns)
         ranked = sorted(range(turns - 1), key=lambda t: (-surprisal[t], t))
         return {t + 1 for t in ranked[: self.limit]}
 
 
-def turn_surprisal(sample: TokenSample, turns: int) -> list[float]:
-    """Each turn's mean ``-log p`` of its sampled tokens (0 where the sampler gave none)."""
+def turn_surprisal(samples: Sequence[TokenSample], turns: int) -> list[float]:
+    """Each turn's mean ``-log p`` of its sampled tokens over the episode's samples (0 where
+    the sampler gave none)."""
     totals, counts = [0.0] * turns, [0] * turns
-    logps = iter(sample.sampling_logps)
-    for sampled, turn in zip(sample.action_mask, sample.turn_ids, strict=True):
-        if not sampled:
-            continue
-        value = next(logps, math.nan)
-        if 0 <= turn < turns and math.isfinite(value):
-            totals[turn] -= value
-            counts[turn] += 1
+    for sample in samples:
+        logps = iter(sample.sampling_logps)
+        for sampled, turn in zip(sample.action_mask, sample.turn_ids, strict=True):
+            if not sampled:
+                continue
+            value = next(logps, math.nan)
+            if 0 <= turn < turns and math.isfinite(value):
+                totals[turn] -= value
+                counts[turn] += 1
     return [total / count if count else 0.0 for total, count in zip(totals, counts, strict=True)]
 
 
@@ -255,8 +258,9 @@ def _state_of(snapshot: EpisodeState, env: TextEnv, episode_id: int) -> State:
     )
 
 
-class _BranchEnv:
-    """A branch's ``(env, state)`` as a text env that goes on from the state."""
+class BranchTextEnv:
+    """A branch's ``(env, state)`` (from a strategy's checkpoint) as a text env that goes on
+    from the state: what a continuation's harness plays on."""
 
     def __init__(self, env: Environment, state: State) -> None:
         self.env, self.state = env, state
@@ -330,9 +334,9 @@ def estimate_values(
         slot = trajectory.slot
         points = checkpoints.points.get(slot, [])
         episode = trajectory.episode
-        if not points or trajectory.failed or len(episode.samples) != 1:
+        if not points or trajectory.failed:
             continue
-        chosen = settings.chosen(episode.samples[0], episode.num_turns)
+        chosen = settings.chosen(episode.samples, episode.num_turns)
         for point in points:
             if point.turn not in chosen:
                 continue
@@ -343,7 +347,7 @@ def estimate_values(
                 continue
             action_field = getattr(point.harness.client, "action_field", "message")
             for env, state in branches:
-                client = InProcessEnvClient(_BranchEnv(env, state), action_field=action_field)
+                client = InProcessEnvClient(BranchTextEnv(env, state), action_field=action_field)
                 harness = point.harness.branch(point.snapshot, client)
                 continuations.append(_Continuation(slot, point.turn, harness))
     result = StateValues()

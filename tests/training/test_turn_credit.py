@@ -40,11 +40,13 @@ from agile_llmenvs.training.credit import (
 from agile_llmenvs.training.losses import group_advantages, group_rewards, reward_scale
 from agile_llmenvs.training.policy_batch import build_policy_batch
 from agile_llmenvs.training.turn_values import (
+    BranchTextEnv,
     CreditSettings,
     StateValues,
     collector_checkpoints,
     estimate_values,
 )
+from agile_llmenvs.transport.client import InProcessEnvClient
 
 SCRIPTS = {"cell": ["a", "x"], "hall": ["b", "y", "b"], "door": ["z"]}
 #: The sampler's log-prob of every token, by where the policy is (``entropy:N`` reads them).
@@ -235,7 +237,7 @@ def test_anchor_keys_are_the_observation_ids_since_the_last_action(tokenizer: An
     # both episodes see the same prompt, "hall" and "door": each turn's anchor group is the
     # pair; returns to go (1.5, 1.5, 1.0) and (0.5, 0.5, 0.0), episode advantages +-0.5
     assert turns.per_turn == [[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]]
-    keys = [[anchor_key(t.episode.sample, k) for k in range(3)] for t in batch.trajectories]
+    keys = [[anchor_key(t.episode.samples, k) for k in range(3)] for t in batch.trajectories]
     assert keys[0] == keys[1]
     hall = tokenizer.encode("hall", add_special_tokens=False)
     text = tokenizer.decode(list(keys[0][1]))
@@ -303,3 +305,50 @@ def test_credit_settings_that_cannot_work_are_refused_naming_the_field(
 ) -> None:
     with pytest.raises(ValidationError, match=message):
         door_manifest(tiny_model_dir, tmp_path, **settings)
+
+
+@pytest.mark.parametrize(
+    ("tokenizer_name", "case"),
+    [("tiny", None), ("mistral_v1", "llama2"), ("mistral_v3", "qwen3"), ("mistral_v3", "llama31")],
+)
+def test_a_continuation_taking_the_same_actions_rebuilds_the_episodes_ids(
+    tiny_model_dir: Path, tokenizer_name: str, case: str | None
+) -> None:
+    """The continuation's harness goes on from a copy of the episode at the state: taking
+    the episode's own actions again, it ends with the episode's ids, mask and turn ids."""
+    from real_tokenizers import load_mistral_tokenizer
+    from template_corpus import get_case, with_template
+    from transformers import AutoTokenizer
+
+    if case is None:
+        tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    else:
+        tok = with_template(lambda: load_mistral_tokenizer(tokenizer_name), get_case(case))
+    actions = {"cell": "a", "hall": "b", "door": "z"}
+
+    def generate(contexts: list[list[int]]) -> list[list[int]]:
+        texts = [tok.decode(c) for c in contexts]
+        chosen = [actions[max(actions, key=text.rfind)] for text in texts]
+        return [[*tok.encode(a, add_special_tokens=False), tok.eos_token_id] for a in chosen]
+
+    collector = RolloutCollector(
+        lambda: RolloutHarness.local(DoorEnv(), tok, max_turns=3), batch_size=1, group_size=2
+    )
+    checkpoints = collector_checkpoints(collector, CreditSettings(rollouts=1))
+    try:
+        batch = collector.collect(generate, observe=checkpoints)
+        episode = batch.trajectories[0].episode
+        for point in checkpoints.points[0]:
+            ((env, state),) = [point.held.branch()]
+            harness = point.harness.branch(
+                point.snapshot, InProcessEnvClient(BranchTextEnv(env, state))
+            )
+            while not harness.done:
+                harness.step(generate([harness.context_ids])[0])
+            continued = harness.get_episode_data()
+            assert continued.rewards == episode.rewards == (0.0, 0.5, 1.0)
+            assert continued.samples == episode.samples  # ids, masks, turn ids, log-probs
+        assert [p.turn for p in checkpoints.points[0]] == [1, 2]
+    finally:
+        checkpoints.release()
+        collector.close()

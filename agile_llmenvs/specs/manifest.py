@@ -430,9 +430,10 @@ class TrainingSpec(BaseModel):
     credit_turns: str = Field(
         "all",
         pattern=r"^(all|first:[1-9][0-9]*|entropy:[1-9][0-9]*)$",
-        description="GRPO `turn_mc`: the turn boundaries branched: `all`, `first:N` (the "
-        "states before turns 2..N+1), or `entropy:N` (before the N turns, after the first, "
-        "whose sampled tokens were the least likely: the highest estimated entropy).",
+        description="GRPO `turn_mc`: the states valued: `all` (before every turn but the "
+        "first), `first:N` (before turns 2..N+1), or `entropy:N` (after the N turns whose "
+        "sampled tokens were the least likely, the sampler's estimate of the policy's entropy; "
+        "every state is checkpointed while the batch plays, the others released).",
     )
     credit_max_tokens: int | None = Field(
         None,
@@ -442,8 +443,11 @@ class TrainingSpec(BaseModel):
     )
     credit_branching: Literal["auto", "direct", "process_fork", "action_replay"] = Field(
         "auto",
-        description="GRPO `turn_mc`: how states are branched (docs/branching.md): `auto`, "
-        "`direct` for an env that declares `pure_step = True`, else `process_fork`.",
+        description="GRPO `turn_mc`: how states are branched (docs/branching.md): `direct` "
+        "(the env is deterministic given its seed and task: a state is stepped by replay), "
+        "`process_fork` (any env in this process: a fork per state), `action_replay` (a fresh "
+        "env replayed to the state, checked); `auto`: `direct` for an env that declares "
+        "`pure_step = True`, else `process_fork`.",
     )
 
     @model_validator(mode="before")

@@ -386,6 +386,7 @@ def _collect(
             gen_time = run.sampler.seconds
             if checkpoints is not None:
                 values = estimate_values(checkpoints, rollout.trajectories, run.sampler)
+                _warn_refused(values, run.credit_refusals)
         finally:
             if checkpoints is not None:
                 checkpoints.release()
@@ -394,6 +395,20 @@ def _collect(
         run.engine.sleep()
     rewards_GN = group_rewards([t.reward for t in rollout.trajectories], config.group_size)
     return rollout, rewards_GN, gen_time, values
+
+
+def _warn_refused(values: StateValues, shown: set[str]) -> None:
+    """Say once a run per kind (``shown``: the kinds said) why episodes could not be branched
+    (they keep their episode advantage; ``credit_fallback_episodes`` counts them each step)."""
+    for reason in values.refused.values():
+        kind = reason.split(":", 1)[0]
+        if kind not in shown:
+            shown.add(kind)
+            logger.warning(
+                "credit: turn_mc cannot branch an episode (%s); it keeps its episode "
+                "advantage, counted in credit_fallback_episodes",
+                reason,
+            )
 
 
 def _sampled_tokens(trajectory: Trajectory) -> int:

@@ -9,7 +9,7 @@ collector, and the checkpoint's state when resuming.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ class GRPORun:
     keep_checkpoints: int | None = None
     held_out: HeldOutEval | None = None
     processor: Any = None  # a vision-language policy's, saved with its checkpoints
+    credit_refusals: set[str] = field(default_factory=set)  # turn_mc refusals already said
 
     @property
     def accelerator(self) -> Any:

@@ -301,9 +301,12 @@ class StateValues:
         seconds: Wall time of the continuations (generation and env).
         gen_seconds: The part spent generating.
         failed: Continuations whose env failed (left out of the means).
+        refused: By slot: why its episode could not be branched (it keeps its episode
+            advantage).
     """
 
     values: dict[int, dict[int, float]] = field(default_factory=dict)
+    refused: dict[int, str] = field(default_factory=dict)
     tokens: int = 0
     seconds: float = 0.0
     gen_seconds: float = 0.0
@@ -361,6 +364,7 @@ def estimate_values(
         returns.setdefault((c.slot, c.turn), []).append(sum(data.rewards[c.turn :]))
     for (slot, turn), values in returns.items():
         result.values.setdefault(slot, {})[turn] = sum(values) / len(values)
+    result.refused = dict(checkpoints.refused)
     result.seconds = time.perf_counter() - start
     return result
 

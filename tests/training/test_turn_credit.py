@@ -18,6 +18,7 @@ mean return, 1.0.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from pathlib import Path
@@ -246,11 +247,13 @@ def test_anchor_keys_are_the_observation_ids_since_the_last_action(tokenizer: An
     assert all(i in keys[0][1] for i in hall)
 
 
-def door_manifest(model_dir: Path, output_dir: Path, **training: Any) -> RunManifest:
+def door_manifest(
+    model_dir: Path, output_dir: Path, env: str = "DoorEnv", **training: Any
+) -> RunManifest:
     return RunManifest.model_validate(
         {
             "name": "door",
-            "env": {"env_type": "rollout", "entrypoint": "branch_envs:DoorEnv", "max_turns": 3},
+            "env": {"env_type": "rollout", "entrypoint": f"branch_envs:{env}", "max_turns": 3},
             "model": {"path": str(model_dir)},
             "training": {
                 "algorithm": "grpo",
@@ -282,6 +285,22 @@ def test_grpo_trains_with_turn_mc_and_logs_what_the_credit_cost(
         assert 0 < row["policy_tokens"] <= 4 * 3 * 4
         assert row["credit_time_s"] > 0
         assert math.isfinite(row["loss"])
+
+
+def test_a_run_whose_env_cannot_branch_says_so_once_and_counts_every_fallback(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    manifest = door_manifest(
+        tiny_model_dir, tmp_path / "run", "UnforkableDoorEnv", credit="turn_mc"
+    )
+    with caplog.at_level(logging.WARNING, logger="agile_llmenvs.training.grpo"):
+        result = train_grpo(manifest)
+    assert [row["credit_fallback_episodes"] for row in result.metrics] == [4.0, 4.0]
+    assert [row["credit_states"] for row in result.metrics] == [0.0, 0.0]
+    warnings = [r.getMessage() for r in caplog.records if "cannot branch" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "is not forkable" in warnings[0]
+    assert "credit_fallback_episodes" in warnings[0]
 
 
 def test_grpo_trains_with_anchor_credit_at_no_extra_cost(

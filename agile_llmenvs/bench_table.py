@@ -90,6 +90,10 @@ _SHAPED = {
 }
 _STEP = "GRPO step of the quick start (8 groups x 8, 8 tokens), median"
 _THREADS = "quick start (60 GRPO steps on the tiny model)"
+_CREDIT = (
+    "GRPO on the corridor (`manifests/grpo_corridor.yaml`) until the mean reward of 5 steps"
+    " reaches 0.9, median over seeds"
+)
 
 FIGURES: dict[str, tuple[Figure, ...]] = {
     "terminal_redteam": (
@@ -354,6 +358,32 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         Figure("env_time_s", f"{_STEP} env and harness time", unit=" s"),
         Figure("learn_time_s", f"{_STEP} learning time", unit=" s"),
         Figure("step_time_s", f"{_STEP} step time", unit=" s"),
+    ),
+    "turn_credit": (
+        Figure(
+            "episode_over_turn_mc_tokens",
+            f"{_CREDIT}: tokens sampled, episode credit over `turn_mc` (its continuations"
+            " included)",
+            target=_at_least(1.5),
+            detail="{episode.tokens} vs {turn_mc.tokens}, {episode.steps} vs {turn_mc.steps} steps",
+        ),
+        Figure(
+            "episode_over_turn_mc_wall",
+            f"{_CREDIT}: training seconds, episode credit over `turn_mc` (reference)",
+            detail="{episode.wall_s} s vs {turn_mc.wall_s} s",
+        ),
+        Figure(
+            "episode_over_anchor_tokens",
+            f"{_CREDIT}: tokens sampled, episode credit over `anchor` (reference)",
+            detail="{episode.tokens} vs {anchor.tokens}, {anchor.steps} steps for `anchor`",
+        ),
+        Figure(
+            "not_reached",
+            "runs of the same bench stopped at the step cap before reaching 0.9 (counted at"
+            " the cap)",
+            unit="",
+            detail="of {runs}",
+        ),
     ),
 }
 """The figures of each script in ``bench/``, by script name without ``.py``."""

@@ -1,0 +1,204 @@
+"""What turn-level credit saves: tokens and time for GRPO to learn the corridor, per credit mode.
+
+Trains ``manifests/grpo_corridor.yaml`` (the built-in tiny model on the key-and-door corridor:
+only the first of its turns decides the reward) with ``training.credit`` set to ``episode``
+(plain GRPO), ``turn_mc`` and ``anchor``, for ``SEEDS`` seeds each, every run a fresh process
+into a temporary folder, stopped once it has learnt the task or at ``--max-steps``. From each
+run's ``metrics.csv`` it finds the first step at which the mean of ``reward_mean`` over the
+last ``WINDOW`` steps reaches ``THRESHOLD``, and counts up to that step:
+
+* tokens: everything the policy sampled, ``policy_tokens`` (the training episodes) plus
+  ``credit_tokens`` (the continuations ``turn_mc`` branches);
+* wall seconds: the sum of ``step_time_s`` (the whole step, credit rollouts included;
+  setup excluded).
+
+A run that never reaches the threshold counts as its totals at the step cap, and is flagged
+(``reached: false``). Reports per mode the median over seeds, and:
+
+* ``episode_over_turn_mc_tokens``: episode credit's tokens over ``turn_mc``'s (target >= 1.5);
+* for reference: ``episode_over_turn_mc_wall`` and ``episode_over_anchor_tokens``.
+
+``--quick``: one seed, a smoke run. ``--modes``: only some modes (ratios need both sides).
+Last line: JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "grpo_corridor.yaml"
+MODES = ("episode", "turn_mc", "anchor")
+SEEDS = (0, 1, 2)
+MAX_STEPS = 250
+THRESHOLD = 0.9
+WINDOW = 5
+POLL_S = 0.5
+
+# One run, in a process of its own; it writes metrics.csv row by row into the given folder.
+_RUN = """
+import sys
+from agile_llmenvs.specs import load_manifest
+from agile_llmenvs.training import train_grpo
+
+manifest_path, output_dir, credit, seed, max_steps = sys.argv[1:6]
+manifest = load_manifest(manifest_path)
+update = {"credit": credit, "max_steps": int(max_steps), "output_dir": output_dir,
+          "tensorboard": False}
+training = manifest.training.model_copy(update=update)
+train_grpo(manifest.model_copy(update={"training": training, "seed": int(seed)}))
+"""
+
+
+@dataclass(frozen=True)
+class Learnt:
+    """How much one run spent until it learnt the task (or until its step cap)."""
+
+    credit: str
+    seed: int
+    reached: bool
+    step: int
+    tokens: float
+    policy_tokens: float
+    credit_tokens: float
+    wall_s: float
+    credit_time_s: float
+
+
+def _column(row: dict[str, str], key: str) -> float:
+    value = row.get(key, "")
+    return float(value) if value else 0.0
+
+
+def _policy_tokens(row: dict[str, str]) -> float:
+    """``policy_tokens``; from a run that predates the column, the training batch's sampled
+    tokens (``tokens_per_s`` x ``step_time_s``), which it equals for episode credit."""
+    if "policy_tokens" in row:
+        return _column(row, "policy_tokens")
+    return round(_column(row, "tokens_per_s") * _column(row, "step_time_s"))
+
+
+def learnt_at(rows: list[dict[str, str]], *, threshold: float, window: int) -> tuple[int, bool]:
+    """The number of steps until the mean ``reward_mean`` of the last ``window`` steps first
+    reaches ``threshold``, and whether it did (else: all the rows)."""
+    rewards = [_column(row, "reward_mean") for row in rows]
+    for end in range(window, len(rewards) + 1):
+        if sum(rewards[end - window : end]) / window >= threshold:
+            return end, True
+    return len(rows), False
+
+
+def _read_rows(path: Path) -> list[dict[str, str]]:
+    """The finished rows of a metrics CSV a run may be writing (not a line cut mid-write)."""
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    complete = [line for line in lines if line.endswith("\n")]
+    return list(csv.DictReader(complete))
+
+
+def run_once(credit: str, seed: int, max_steps: int) -> Learnt:
+    """Train the corridor with ``credit`` until it is learnt or ``max_steps``; what it cost."""
+    with tempfile.TemporaryDirectory(prefix=f"turn-credit-{credit}-") as folder:
+        metrics, log = Path(folder) / "metrics.csv", Path(folder) / "stderr.log"
+        command = [sys.executable, "-c", _RUN, str(MANIFEST), folder, credit, str(seed)]
+        with log.open("w") as stderr:
+            process = subprocess.Popen(
+                [*command, str(max_steps)], stdout=subprocess.DEVNULL, stderr=stderr
+            )
+            while process.poll() is None:
+                if learnt_at(_read_rows(metrics), threshold=THRESHOLD, window=WINDOW)[1]:
+                    process.kill()  # learnt: the rest of the run is not measured
+                    break
+                time.sleep(POLL_S)
+            process.wait()
+        rows = _read_rows(metrics)
+        if process.returncode not in (0, -9) or not rows:
+            message = log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"the {credit} run (seed {seed}) failed: {message}")
+    steps, reached = learnt_at(rows, threshold=THRESHOLD, window=WINDOW)
+    counted = rows[:steps]
+    policy = sum(_policy_tokens(row) for row in counted)
+    extra = sum(_column(row, "credit_tokens") for row in counted)
+    return Learnt(
+        credit=credit,
+        seed=seed,
+        reached=reached,
+        step=steps,
+        tokens=policy + extra,
+        policy_tokens=policy,
+        credit_tokens=extra,
+        wall_s=round(sum(_column(row, "step_time_s") for row in counted), 2),
+        credit_time_s=round(sum(_column(row, "credit_time_s") for row in counted), 2),
+    )
+
+
+def summarise(runs: list[Learnt]) -> dict[str, Any]:
+    """Medians over seeds per mode, and every run that did not reach the threshold."""
+    report: dict[str, Any] = {}
+    for credit in dict.fromkeys(run.credit for run in runs):
+        mine = [run for run in runs if run.credit == credit]
+        report[credit] = {
+            "steps": statistics.median(run.step for run in mine),
+            "tokens": statistics.median(run.tokens for run in mine),
+            "credit_tokens": statistics.median(run.credit_tokens for run in mine),
+            "wall_s": round(statistics.median(run.wall_s for run in mine), 2),
+            "all_reached": all(run.reached for run in mine),
+        }
+    return report
+
+
+def _ratio(report: dict[str, Any], over: str, under: str, key: str) -> float | None:
+    if over not in report or under not in report or not report[under][key]:
+        return None
+    return round(report[over][key] / report[under][key], 3)
+
+
+def measure(modes: list[str], seeds: list[int], max_steps: int) -> dict[str, Any]:
+    runs: list[Learnt] = []
+    for credit in modes:
+        for seed in seeds:
+            runs.append(run_once(credit, seed, max_steps))
+            print(json.dumps(asdict(runs[-1])), flush=True)
+    medians = summarise(runs)
+    return {
+        "figure": "turn_credit",
+        "seeds": len(seeds),
+        "max_steps": max_steps,
+        "threshold": THRESHOLD,
+        "window": WINDOW,
+        **medians,
+        "episode_over_turn_mc_tokens": _ratio(medians, "episode", "turn_mc", "tokens"),
+        "episode_over_turn_mc_wall": _ratio(medians, "episode", "turn_mc", "wall_s"),
+        "episode_over_anchor_tokens": _ratio(medians, "episode", "anchor", "tokens"),
+        "runs": len(runs),
+        "not_reached": sum(not run.reached for run in runs),
+        "runs_not_reached": [f"{run.credit}/{run.seed}" for run in runs if not run.reached],
+        "load_avg_1m": os.getloadavg()[0],  # at the end; other processes swamp these
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one seed: a smoke run")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--max-steps", type=int, default=MAX_STEPS, help="step cap per run")
+    args = parser.parse_args()
+    seeds = list(SEEDS[:1] if args.quick else SEEDS)
+    print(json.dumps(measure(args.modes, seeds, args.max_steps)))
+
+
+if __name__ == "__main__":
+    main()

@@ -83,6 +83,7 @@ GRPO_METRICS = (
     "credit_states",
     "credit_fallback_episodes",
     "credit_time_s",
+    "credit_env_time_s",
     "learning_rate",
     *EVAL_METRICS,
 )
@@ -285,6 +286,7 @@ def _step(
     credit_time = values.seconds if values is not None else 0.0
     timings = {
         "credit_time_s": credit_time,
+        "credit_env_time_s": values.env_seconds if values is not None else 0.0,
         "gen_time_s": gen_time,
         "env_time_s": step_time - gen_time - credit_time - learn_time - sync_time,
         "learn_time_s": learn_time,

@@ -313,6 +313,12 @@ class StateValues:
     failed: int = 0
 
     @property
+    def env_seconds(self) -> float:
+        """The part not spent generating: branching, the continuations' env steps, the
+        harness."""
+        return max(self.seconds - self.gen_seconds, 0.0)
+
+    @property
     def states(self) -> int:
         """States valued."""
         return sum(len(v) for v in self.values.values())

@@ -284,6 +284,7 @@ def test_grpo_trains_with_turn_mc_and_logs_what_the_credit_cost(
         assert 0 < row["credit_tokens"] <= 8 * 2 * 2 * 4  # at most 2 turns of 4 tokens
         assert 0 < row["policy_tokens"] <= 4 * 3 * 4
         assert row["credit_time_s"] > 0
+        assert 0 < row["credit_env_time_s"] < row["credit_time_s"]
         assert math.isfinite(row["loss"])
 
 

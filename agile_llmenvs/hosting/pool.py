@@ -28,6 +28,7 @@ from agile_llmenvs.errors import (
 from agile_llmenvs.hosting.config import HostConfig
 from agile_llmenvs.hosting.health import HealthPoller, HealthTarget
 from agile_llmenvs.hosting.host import EnvHost, HostInfo
+from agile_llmenvs.hosting.local_ray import init_ray
 
 __all__ = ["EnvHostPool", "HostLease", "HostState", "HostStatus"]
 
@@ -91,9 +92,10 @@ class _Host:
 class EnvHostPool:
     """``config.num_hosts`` Ray actors, each an :class:`EnvHost`, started and awaited.
 
-    Uses the Ray runtime this process is connected to (``ray.init(address=...)`` before,
-    or ``RAY_ADDRESS``); when there is none it connects to ``address``, or starts a local
-    one. :meth:`close` kills the actors.
+    Uses the Ray runtime this process is connected to (``ray.init(address=...)`` before);
+    when there is none it connects to ``address``, or to the cluster Ray finds
+    (``RAY_ADDRESS``, or one ``ray start`` left on this machine), or starts a local
+    single-node cluster that listens on loopback only. :meth:`close` kills the actors.
 
     Once the hosts are ready, a daemon thread polls each ready host's ``GET /health`` every
     ``config.health_poll_interval_s``; a host that fails ``config.health_failures_to_replace``
@@ -102,7 +104,8 @@ class EnvHostPool:
 
     Args:
         config: What each host serves, and its resources.
-        address: Ray address to connect to when Ray is not initialized yet.
+        address: Ray address to connect to when Ray is not initialized yet (None: the
+            cluster Ray finds, or a new local one).
 
     Raises:
         OptionalDependencyError: ray is not installed.
@@ -112,8 +115,7 @@ class EnvHostPool:
 
     def __init__(self, config: HostConfig, *, address: str | None = None) -> None:
         ray = ray_module()
-        if not ray.is_initialized():
-            ray.init(address=address)
+        init_ray(ray, address)
         self.config = config
         self.closed = False
         self._cond = threading.Condition()

@@ -378,7 +378,10 @@ def _collect(
     run.accelerator.unwrap_model(run.model).eval()
     checkpoints = None
     if config.credit == "turn_mc":
-        checkpoints = collector_checkpoints(run.collector, CreditSettings.from_spec(config))
+        if run.checkpoints is None:  # one for the run: ProcessFork's zygote is started once
+            settings = CreditSettings.from_spec(config)
+            run.checkpoints = collector_checkpoints(run.collector, settings)
+        checkpoints = run.checkpoints
     values = None
     with torch.no_grad():
         try:

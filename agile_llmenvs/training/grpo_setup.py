@@ -33,6 +33,7 @@ from agile_llmenvs.training.server_rollouts import ServerRollouts, server_backen
 from agile_llmenvs.training.server_sync import ServerWeightSync
 from agile_llmenvs.training.sharding import GenerationSync, is_sharded
 from agile_llmenvs.training.threads import set_cpu_threads
+from agile_llmenvs.training.turn_values import TurnCheckpoints
 from agile_llmenvs.training.vllm_engine import PolicyVLLMEngine
 
 __all__ = ["GRPORun", "setup_run", "step_seed"]
@@ -55,6 +56,7 @@ class GRPORun:
     held_out: HeldOutEval | None = None
     processor: Any = None  # a vision-language policy's, saved with its checkpoints
     credit_refusals: set[str] = field(default_factory=set)  # turn_mc refusals already said
+    checkpoints: TurnCheckpoints | None = None  # turn_mc's, made at the first collection
 
     @property
     def accelerator(self) -> Any:
@@ -72,6 +74,8 @@ class GRPORun:
         if self.server is not None:
             self.server.close()
             self.server.backend.close()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
         self.collector.close()
         _close_factory(self.collector)
         if self.held_out is not None:

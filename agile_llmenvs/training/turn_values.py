@@ -126,22 +126,28 @@ class _Point:
     harness: RolloutHarness  # the slot's: continuations share its settings and framing
 
 
-@dataclass
 class TurnCheckpoints:
     """The collector's observer: checkpoints every live episode at each boundary.
+
+    One serves a whole run: :meth:`release` frees a batch's checkpoints after its values are
+    estimated, :meth:`close` the strategy too (ProcessFork's zygote process).
 
     Args:
         settings: What to checkpoint and how to branch.
         text_env_factory: Builds a fresh instance of the batch's env (ActionReplay and Direct
             branches are built from it).
+
+    Attributes:
+        points: By slot: the batch's checkpointed states, in turn order.
+        refused: By slot: why the slot's episode could not be checkpointed.
     """
 
-    settings: CreditSettings
-    text_env_factory: Callable[[], TextEnv]
-    points: dict[int, list[_Point]] = field(default_factory=dict)
-    refused: dict[int, str] = field(default_factory=dict)
-    _strategy: BranchStrategy | None = None
-    _episodes: int = 0
+    def __init__(self, settings: CreditSettings, text_env_factory: Callable[[], TextEnv]) -> None:
+        self.settings, self.text_env_factory = settings, text_env_factory
+        self.points: dict[int, list[_Point]] = {}
+        self.refused: dict[int, str] = {}
+        self._strategy: BranchStrategy | None = None
+        self._episodes = 0
 
     def __call__(self, harnesses: dict[int, RolloutHarness]) -> None:
         for slot, harness in harnesses.items():
@@ -179,11 +185,16 @@ class TurnCheckpoints:
         return None if self._strategy is None else self._strategy.name
 
     def release(self) -> None:
-        """Free every checkpoint and its branches, and the strategy's processes."""
-        for points in self.points.values():
-            for point in points:
+        """Free the batch's checkpoints and their branches (the next batch starts afresh)."""
+        points, self.points = self.points, {}
+        self.refused = {}
+        for held in points.values():
+            for point in held:
                 point.held.release()
-        self.points.clear()
+
+    def close(self) -> None:
+        """:meth:`release`, and free the strategy's own processes."""
+        self.release()
         if self._strategy is not None:
             self._strategy.close()
             self._strategy = None

@@ -98,7 +98,7 @@ def play(
         strategy = checkpoints.strategy_name
         refused = dict(checkpoints.refused)
     finally:
-        checkpoints.release()
+        checkpoints.close()
         collector.close()
     return batch, values, strategy, refused
 
@@ -370,5 +370,5 @@ def test_a_continuation_taking_the_same_actions_rebuilds_the_episodes_ids(
             assert continued.samples == episode.samples  # ids, masks, turn ids, log-probs
         assert [p.turn for p in checkpoints.points[0]] == [1, 2]
     finally:
-        checkpoints.release()
+        checkpoints.close()
         collector.close()

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from branch_envs import DoorEnv, SerialDoorEnv, UnforkableDoorEnv
 from pydantic import ValidationError
+from training.launch import TWO_PROCESSES, accelerate_launch
 
 from agile_llmenvs.llm_envs import RolloutCollector, RolloutHarness
 from agile_llmenvs.llm_envs.trajectory import RolloutBatch
@@ -39,6 +42,7 @@ from agile_llmenvs.training.credit import (
     mc_turn_advantages,
 )
 from agile_llmenvs.training.losses import group_advantages, group_rewards, reward_scale
+from agile_llmenvs.training.metrics import read_metrics
 from agile_llmenvs.training.policy_batch import build_policy_batch
 from agile_llmenvs.training.turn_values import (
     BranchTextEnv,
@@ -372,3 +376,27 @@ def test_a_continuation_taking_the_same_actions_rebuilds_the_episodes_ids(
     finally:
         checkpoints.close()
         collector.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
+@pytest.mark.parametrize("fsdp", [False, True], ids=["data_parallel", "fsdp"])
+def test_turn_mc_on_two_processes_values_each_ranks_states(
+    tiny_model_dir: Path, tmp_path: Path, fsdp: bool
+) -> None:
+    """Each rank branches its own episodes (its continuations' generate calls paired with the
+    other rank's under FSDP); the credit counts are summed over the ranks."""
+    out = tmp_path / "run"
+    manifest = door_manifest(
+        tiny_model_dir, out, credit="turn_mc", credit_rollouts=2, batch_size=4, fsdp=fsdp
+    )
+    data = manifest.model_dump(mode="json", exclude_unset=True)
+    data["env"]["entrypoint"] = f"{Path(__file__).parents[1] / 'branch_envs.py'}:DoorEnv"
+    path = tmp_path / "door.yaml"
+    path.write_text(yaml.safe_dump(data))
+    done = accelerate_launch(TWO_PROCESSES, "-m", "agile_llmenvs", "train", str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = read_metrics(out / "metrics.csv")
+    # 4 groups of 2 over 2 ranks: 8 episodes of 3 turns, s_1 and s_2 of each valued
+    assert [float(row["credit_states"]) for row in rows] == [16.0, 16.0]
+    assert [float(row["credit_fallback_episodes"]) for row in rows] == [0.0, 0.0]

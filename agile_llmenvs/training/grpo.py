@@ -31,7 +31,7 @@ from agile_llmenvs.training.common import (
     TrainResult,
     training_spec,
 )
-from agile_llmenvs.training.credit import batch_turn_advantages
+from agile_llmenvs.training.credit import TurnAdvantages, batch_turn_advantages
 from agile_llmenvs.training.env_failures import EnvFailures
 from agile_llmenvs.training.grpo_setup import GRPORun, setup_run, step_seed
 from agile_llmenvs.training.grpo_update import grpo_update
@@ -238,31 +238,9 @@ def _step(
     if run.server is not None:  # a stale group is dropped whole: its advantages are relative
         stale_G = torch.tensor(run.server.stale_groups(rollout, step - 1))
         fresh_GN &= ~stale_G[:, None]
-    trained_GN = finished_GN & fresh_GN
-    over_processes = _sum_over_processes(run.accelerator)
-    advantages_GN, kept_GN = group_advantages(
-        rewards_GN,
-        scale=config.scale_rewards,
-        finished_GN=trained_GN,
-        sum_over_processes=over_processes,
+    advantages_GN, kept_GN, turns = _advantages(
+        run, config, rollout, rewards_GN, finished_GN & fresh_GN, values
     )
-    turns = None
-    if config.credit != "episode":  # each turn its own share (docs/training.md)
-        scale_G1 = reward_scale(
-            rewards_GN,
-            scale=config.scale_rewards,
-            finished_GN=trained_GN,
-            sum_over_processes=over_processes,
-        )
-        turns = batch_turn_advantages(
-            config.credit,
-            rollout.trajectories,
-            rewards_GN,
-            advantages_GN,
-            kept_GN,
-            scale_G1,
-            values.values if values is not None else None,
-        )
     pad_id = run.tokenizer.pad_token_id or 0
     advantages_B = advantages_GN.flatten().float()  # centred in float64, trained in float32
     batch = build_policy_batch(
@@ -313,6 +291,43 @@ def _step(
     if failures is not None:
         failures.see(step, rollout.trajectories)
     return _step_row(run, step, rewards_GN, finished_GN, batch, rollout, measured, counts)
+
+
+def _advantages(
+    run: GRPORun,
+    config: TrainingSpec,
+    rollout: RolloutBatch,
+    rewards_GN: torch.Tensor,
+    trained_GN: torch.Tensor,
+    values: StateValues | None,
+) -> tuple[torch.Tensor, torch.Tensor, TurnAdvantages | None]:
+    """GRPO's episode advantages over the members that train, which of them are kept, and
+    (``credit`` other than ``episode``) each turn's share (docs/training.md)."""
+    over_processes = _sum_over_processes(run.accelerator)
+    advantages_GN, kept_GN = group_advantages(
+        rewards_GN,
+        scale=config.scale_rewards,
+        finished_GN=trained_GN,
+        sum_over_processes=over_processes,
+    )
+    if config.credit == "episode":
+        return advantages_GN, kept_GN, None
+    scale_G1 = reward_scale(
+        rewards_GN,
+        scale=config.scale_rewards,
+        finished_GN=trained_GN,
+        sum_over_processes=over_processes,
+    )
+    turns = batch_turn_advantages(
+        config.credit,
+        rollout.trajectories,
+        rewards_GN,
+        advantages_GN,
+        kept_GN,
+        scale_G1,
+        values.values if values is not None else None,
+    )
+    return advantages_GN, kept_GN, turns
 
 
 def _step_row(

@@ -1,63 +1,150 @@
-"""Playing TRL's episodes: a lock-step turn loop over harnesses, and the trainer's current model
-as the policy that loop calls."""
+"""Playing TRL's episodes: the rollout's harnesses and the threads their env calls run on, and
+the trainer's current model as the policy the turn loop calls."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, wait
+from contextlib import contextmanager, suppress
+from functools import partial
 from typing import Any
 
-from agile_llmenvs.errors import EnvBuildError, OptionalDependencyError
+from agile_llmenvs.errors import EnvBuildError, EnvStateError, OptionalDependencyError
 from agile_llmenvs.llm_envs.collector import Generate
 from agile_llmenvs.llm_envs.episode import EpisodeData
 from agile_llmenvs.llm_envs.harness import RolloutHarness
+from agile_llmenvs.llm_envs.image_framing import content_text
 from agile_llmenvs.llm_envs.tasks import Task
 from agile_llmenvs.llm_envs.trajectory import failed_episode
 
-__all__ = ["check_sampling", "first_prompt", "play_episodes", "trainer_policy"]
+__all__ = ["EnvSlots", "Messages", "check_sampling", "first_prompt", "trainer_policy"]
+
+Messages = list[dict[str, str]]
+"""A conversation as TRL's conversational format holds it: ``{"role", "content"}`` dicts."""
 
 
-def play_episodes(
-    harnesses: Sequence[RolloutHarness], tasks: Sequence[Task], generate: Generate
-) -> list[EpisodeData]:
-    """Play one episode of ``tasks[i]`` on ``harnesses[i]``, lock-step: one ``generate`` call
-    per turn for every live episode. An env that raises fails only its episode (a value).
+class EnvSlots:
+    """The rollout's harnesses (kept between rollouts) and the lock-step turn loop over them.
 
-    Env calls run one after another on this thread, and no timeout bounds them as the
-    collector's ``io_timeout_s`` does (the collector deals its own tasks, not TRL's).
+    Every env call of a round (the resets, then each turn's steps) runs on its own thread, so
+    the envs of a round wait together, as the rollout collector's do. A call that raises
+    fails only its episode; one that outlives ``io_timeout_s`` fails only its episode too,
+    and its harness is dropped (closed at once, which may free a remote call) and replaced by
+    a fresh one on the slot's next use. The threads are daemons, so an env that never returns
+    holds up neither the rollout nor the interpreter's exit.
+
+    The rollout collector is not reused for this: it deals its own tasks from its assigner
+    and resets all its slots at once, while a TRL wave plays the tasks TRL's prompts name, on
+    as many slots as the wave needs.
+
+    Args:
+        factory: Builds one harness.
+        io_timeout_s: Longest an env call may take (None: unbounded).
     """
-    outcomes: dict[int, EpisodeData] = {}
-    for index, (harness, task) in enumerate(zip(harnesses, tasks, strict=True)):
+
+    def __init__(
+        self, factory: Callable[[], RolloutHarness], *, io_timeout_s: float | None
+    ) -> None:
+        self.factory = factory
+        self.io_timeout_s = io_timeout_s
+        self._harnesses: list[RolloutHarness | None] = []
+
+    def play(self, tasks: Sequence[Task], generate: Generate) -> list[EpisodeData]:
+        """Play one episode of ``tasks[i]`` on slot ``i``, lock-step: one ``generate`` call per
+        turn for every live episode. A failed episode is a value (``StopReason.ENV_ERROR``,
+        its error in ``info["error"]``), never an exception."""
+        self._harnesses += [None] * (len(tasks) - len(self._harnesses))
+        # built here, on the calling thread: a timed-out call must not leave a slot half-built
+        harnesses = [self._slot(i) for i in range(len(tasks))]
+        failures: dict[int, str] = {}
+        resets = {i: partial(_reset, harnesses[i], task) for i, task in enumerate(tasks)}
+        self._run(resets, failures)
+        while live := [i for i, h in enumerate(harnesses) if i not in failures and not h.done]:
+            outputs = generate([harnesses[i].context_ids for i in live])
+            calls: dict[int, Callable[[], Any]] = {}
+            for index, output in zip(live, outputs, strict=True):
+                ids, logps = output if isinstance(output, tuple) else (output, None)
+                calls[index] = partial(harnesses[index].step, ids, logps)
+            self._run(calls, failures)
+        return [
+            failed_episode(failures[i]) if i in failures else h.get_episode_data()
+            for i, h in enumerate(harnesses)
+        ]
+
+    def _slot(self, index: int) -> RolloutHarness:
+        """Slot ``index``'s harness, built on first use."""
+        harness = self._harnesses[index]
+        if harness is None:
+            harness = self._harnesses[index] = self.factory()
+        return harness
+
+    def _run(self, calls: Mapping[int, Callable[[], Any]], failures: dict[int, str]) -> None:
+        """Run each slot's call on a thread of its own and wait for all of them together;
+        a call that raises or outlives ``io_timeout_s`` records its slot's failure."""
+        futures = {index: _start(call) for index, call in calls.items()}
+        done, _ = wait(futures.values(), timeout=self.io_timeout_s)
+        for index, future in futures.items():
+            if future not in done:
+                failures[index] = f"the env call exceeded io_timeout_s={self.io_timeout_s}"
+                hung, self._harnesses[index] = self._harnesses[index], None
+                if hung is not None:
+                    _start(partial(_close_quietly, hung))
+            elif (error := future.exception()) is not None:
+                failures[index] = f"{type(error).__name__}: {error}"
+
+    def close(self) -> None:
+        """Close every harness."""
+        harnesses, self._harnesses = self._harnesses, []
+        for harness in harnesses:
+            if harness is not None:
+                _close_quietly(harness)
+
+
+def _start(call: Callable[[], Any]) -> Future[Any]:
+    """Run ``call`` on a new daemon thread; its outcome lands in the returned future."""
+    future: Future[Any] = Future()
+
+    def settle() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
         try:
-            harness.reset(**task.reset_kwargs())
-        except Exception as exc:
-            outcomes[index] = failed_episode(f"{type(exc).__name__}: {exc}")
-    while live := [i for i, h in enumerate(harnesses) if i not in outcomes and not h.done]:
-        outputs = generate([harnesses[i].context_ids for i in live])
-        for index, output in zip(live, outputs, strict=True):
-            ids, logps = output if isinstance(output, tuple) else (output, None)
-            try:
-                harnesses[index].step(ids, logps)
-            except Exception as exc:
-                reason = f"{type(exc).__name__}: {exc}"
-                harnesses[index].abort(reason)
-                outcomes[index] = failed_episode(reason)
-    return [outcomes.get(i) or h.get_episode_data() for i, h in enumerate(harnesses)]
+            future.set_result(call())
+        except BaseException as exc:  # the env's failure is the episode's, not the thread's
+            future.set_exception(exc)
+
+    threading.Thread(target=settle, name="trl-env-call", daemon=True).start()
+    return future
 
 
-def first_prompt(harness: RolloutHarness, task: Task) -> list[int]:
-    """The ids of ``task``'s first prompt.
+def _reset(harness: RolloutHarness, task: Task) -> list[int]:
+    return harness.reset(**task.reset_kwargs())
+
+
+def _close_quietly(harness: RolloutHarness) -> None:
+    with suppress(Exception):
+        harness.close()
+
+
+def first_prompt(harness: RolloutHarness, task: Task) -> Messages:
+    """``task``'s first prompt as the conversation the harness renders into its ids (text
+    only: the images an env shows stay with the harness).
 
     Raises:
         EnvBuildError: the env failed to reset to the task.
     """
     try:
-        return harness.reset(**task.reset_kwargs())
+        ids = harness.reset(**task.reset_kwargs())
     except Exception as exc:
         raise EnvBuildError(
             f"the env failed to reset to {task} while TRLEnv read its tasks' prompts: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
+    try:
+        messages = harness.snapshot().messages
+    except EnvStateError:  # the prompt alone ended the episode (over a prompt limit)
+        messages = [{"role": "user", "content": harness.tokenizer.decode(ids)}]
+    return [{"role": m["role"], "content": content_text(m["content"])} for m in messages]
 
 
 @contextmanager
@@ -115,8 +202,8 @@ def check_sampling(trainer: Any) -> None:
     args = trainer.args
     if getattr(trainer, "use_vllm", False):
         raise ValueError(
-            "use_vllm=True: TRLEnv generates with the trainer's own model (HFBackend); "
-            "set use_vllm=False"
+            "use_vllm=True: TRLEnv generates with the trainer's own model (HFBackend), not "
+            "through TRL's vLLM engine; set use_vllm=False (see docs/trl.md, Limits)"
         )
     ignored = {
         "min_p": args.min_p is not None,

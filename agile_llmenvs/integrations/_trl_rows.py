@@ -5,12 +5,13 @@ TRL trains on ``prompt_ids + completion_ids`` with the loss on completion tokens
 ``env_mask`` is 1. A sample's ids are split before its first sampled token, so every id the
 policy sampled is in the completion and every id before it is prompt; the env's and the chat
 template's ids after it stay in the completion with ``env_mask`` 0. Nothing is re-tokenised:
-``prompt_ids + completion_ids`` is the sample's ``token_ids``.
+``prompt_ids + completion_ids`` is the sample's ``token_ids``. What a reward function reads as
+the completion is the policy's part only: the ids it sampled, turn by turn (``policy_turns``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,8 @@ class TRLRow:
         reward: The episode's total reward; None for a masked row, which TRL then leaves out
             of its group's mean and std and gives advantage 0.
         stop_reason: Why the sample's episode ended; None for a masked row.
+        policy_turns: The ids the policy sampled in each turn of the sample, in turn order
+            (none for a masked row or a sample with no sampled id).
     """
 
     prompt_ids: tuple[int, ...]
@@ -42,6 +45,7 @@ class TRLRow:
     logprobs: tuple[float, ...]
     reward: float | None
     stop_reason: str | None
+    policy_turns: tuple[tuple[int, ...], ...] = ()
 
 
 def sample_row(sample: TokenSample, episode: EpisodeData) -> TRLRow:
@@ -65,7 +69,17 @@ def sample_row(sample: TokenSample, episode: EpisodeData) -> TRLRow:
         logprobs=tuple(lp if sampled else 0.0 for lp, sampled in zip(logps, env_mask, strict=True)),
         reward=episode.total_reward,
         stop_reason=str(episode.stop_reason),
+        policy_turns=_policy_turns(sample),
     )
+
+
+def _policy_turns(sample: TokenSample) -> tuple[tuple[int, ...], ...]:
+    """The sample's sampled ids grouped by turn (``turn_ids[k]`` describes ``token_ids[k + 1]``)."""
+    turns: dict[int, list[int]] = {}
+    for k, turn in enumerate(sample.turn_ids):
+        if turn >= 0:
+            turns.setdefault(turn, []).append(sample.token_ids[k + 1])
+    return tuple(tuple(turns[turn]) for turn in sorted(turns))
 
 
 def masked_row(pad_id: int) -> TRLRow:
@@ -74,9 +88,14 @@ def masked_row(pad_id: int) -> TRLRow:
     return TRLRow((pad_id,), (pad_id,), (0,), (0.0,), None, None)
 
 
-def columns(rows: Sequence[TRLRow]) -> dict[str, list[Any]]:
-    """What ``rollout_func`` returns: TRL's id columns plus ``env_reward`` and
-    ``env_stop_reason``, which TRL passes to the reward functions by name."""
+def columns(rows: Sequence[TRLRow], decode: Callable[[Sequence[int]], str]) -> dict[str, list[Any]]:
+    """What ``rollout_func`` returns: TRL's id columns plus ``env_reward``, ``env_stop_reason``
+    and ``policy_completion``, which TRL passes to the reward functions by name.
+
+    A row's ``policy_completion`` is the policy's text in TRL's conversational form: one
+    assistant message per turn, each turn's sampled ids through ``decode``, with none of the
+    env's or the template's text between them (one empty message for a row without turns).
+    """
     return {
         "prompt_ids": [list(r.prompt_ids) for r in rows],
         "completion_ids": [list(r.completion_ids) for r in rows],
@@ -84,6 +103,10 @@ def columns(rows: Sequence[TRLRow]) -> dict[str, list[Any]]:
         "env_mask": [list(r.env_mask) for r in rows],
         "env_reward": [r.reward for r in rows],
         "env_stop_reason": [r.stop_reason for r in rows],
+        "policy_completion": [
+            [{"role": "assistant", "content": decode(ids)} for ids in r.policy_turns or [()]]
+            for r in rows
+        ],
     }
 
 

@@ -7,14 +7,18 @@ In a TRL script (see ``docs/trl.md``):
                           **env.trainer_kwargs())   # train_dataset, reward_funcs, rollout_func
 
 ``env.dataset`` holds one row per task of the env (a dataset row, or a seed of a procedural
-env), its ``prompt`` the exact first prompt the harness gives the policy (its ids decoded, for
-TRL to show; the ids played are the harness's). ``env.rollout_func`` plays each group of TRL
+env), its ``prompt`` the task's first prompt as the conversation the harness renders (TRL's
+conversational format: ``[{"role": ..., "content": ...}, ...]``; TRL passes it to the rollout
+untouched, and the ids played are the harness's). ``env.rollout_func`` plays each group of TRL
 rows as episodes of that row's task: generation is one batched ``generate`` per turn on the
 trainer's current model (our ``HFBackend``, sampling at the trainer's ``temperature``,
-``top_p``, ``top_k``), and every row TRL trains on is one token sample of the harness,
-unchanged: ``prompt_ids + completion_ids`` is the sample's ids, ``env_mask`` its provenance
-mask (0 on the env's and the template's ids inside a multi-turn completion). The episode's
-reward goes to TRL as the ``env_reward`` column, which ``env.env_reward`` returns.
+``top_p``, ``top_k``), the env calls of each turn run concurrently, each bounded by
+``io_timeout_s``, and every row TRL trains on is one token sample of the harness, unchanged:
+``prompt_ids + completion_ids`` is the sample's ids, ``env_mask`` its provenance mask (0 on
+the env's and the template's ids inside a multi-turn completion). The episode's reward goes
+to TRL as the ``env_reward`` column, which ``env.env_reward`` returns; the policy's text alone
+goes as ``policy_completion``, which reward functions added through
+``env.trainer_kwargs(reward_funcs=...)`` see as their ``completions``.
 
 How TRL 1.16 drives a ``rollout_func`` (``trl/trainer/grpo_trainer.py``), and what follows:
 
@@ -40,16 +44,17 @@ far: once every episode is seen to give two samples, a group plays one episode p
 episode of ``k`` samples counts ``k`` times in its group's mean (our own GRPO loop takes the
 mean over episodes).
 
-A failed episode (the env raised, or a connection was lost) gives no row. Its group's rows
-are refilled by further waves (``max_waves`` in all); rows still free are masked rows: one pad id
-of prompt and completion, ``env_mask`` 0, reward None. TRL treats a row whose every reward is
-None as unscorable: it is left out of its group's mean and std and its advantage is set to 0.
-Every term of TRL's loss is multiplied by ``completion_mask * env_mask``, so a masked row adds
-exactly zero to the loss and to its gradient; the token-normalised losses (``dapo``, the
-default, and ``bnpo``) divide by the count of unmasked ids, so with them the other rows'
-gradients are exactly what they would be without it. (``grpo``'s per-sequence mean and
-``dr_grpo``'s ``batch x max_completion_length`` count it in their denominators: there the
-batch's gradient shrinks by ``rows - masked`` over ``rows``.) Failures are logged, counted in
+A failed episode (the env raised or outlived ``io_timeout_s``, or a connection was lost) gives
+no row; the other episodes of its round go on. Its group's rows are refilled by further waves
+(``max_waves`` in all); rows still free are masked rows: one pad id of prompt and completion,
+``env_mask`` 0, reward None. TRL treats a row whose every reward is None as unscorable: it is
+left out of its group's mean and std and its advantage is set to 0. Every term of TRL's loss is
+multiplied by ``completion_mask * env_mask``, so a masked row adds exactly zero to the loss and
+to its gradient; the token-normalised losses (``dapo``, the default, and ``bnpo``) divide by
+the count of unmasked ids, so with them the other rows' gradients are exactly what they would
+be without it. (``grpo``'s per-sequence mean and ``dr_grpo``'s
+``batch x max_completion_length`` count it in their denominators: there the batch's gradient
+shrinks by ``rows - masked`` over ``rows``.) Failures are logged, counted in
 :attr:`TRLEnv.stats` and :attr:`TRLEnv.report`, and logged to TRL as ``env/*`` metrics; a
 batch in which every episode failed raises :class:`~agile_llmenvs.errors.EnvError`.
 """
@@ -57,15 +62,16 @@ batch in which every episode failed raises :class:`~agile_llmenvs.errors.EnvErro
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 from collections.abc import Callable, Sequence
-from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
 from agile_llmenvs.errors import EnvBuildError, EnvError
-from agile_llmenvs.integrations._trl_play import first_prompt, play_episodes, trainer_policy
+from agile_llmenvs.integrations._trl_play import EnvSlots, Messages, first_prompt, trainer_policy
+from agile_llmenvs.integrations._trl_rewards import RewardFunc, policy_text_reward
 from agile_llmenvs.integrations._trl_rows import GroupRows, PlayedEpisode, TRLRow, columns
 from agile_llmenvs.llm_envs.collector import Generate
 from agile_llmenvs.llm_envs.harness import RolloutHarness
@@ -73,12 +79,15 @@ from agile_llmenvs.llm_envs.tasks import Task, TaskAssigner
 from agile_llmenvs.specs import LLMEnvSpec, RunManifest, load_manifest
 
 __all__ = [
+    "Messages",
     "PlayedEpisode",
+    "RewardFunc",
     "RolloutReport",
     "TRLEnv",
     "TRLEnvConfig",
     "TRLEnvStats",
     "TRLRow",
+    "policy_text_reward",
 ]
 
 logger = logging.getLogger(__name__)
@@ -99,6 +108,8 @@ class TRLEnvConfig:
             ``model.max_model_len``, else the model's ``max_position_embeddings``).
         max_waves: Rounds of episodes played to fill a group's rows (refilling after
             failures, or after episodes that restarted less than expected).
+        io_timeout_s: Longest one env call (a reset or a turn) may take; a call past it fails
+            its episode only (None: unbounded). The rollout collector's default.
     """
 
     num_tasks: int = 256
@@ -106,12 +117,15 @@ class TRLEnvConfig:
     max_tokens_per_turn: int | None = None
     max_model_len: int | None = None
     max_waves: int = 2
+    io_timeout_s: float | None = 600.0
 
     def __post_init__(self) -> None:
         for name in ("num_tasks", "max_tokens_per_turn", "max_model_len", "max_waves"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.io_timeout_s is not None and not self.io_timeout_s > 0:
+            raise ValueError(f"io_timeout_s must be positive, got {self.io_timeout_s}")
 
 
 @dataclasses.dataclass
@@ -202,11 +216,11 @@ class TRLEnv:
         pad = tokenizer.pad_token_id
         self._pad_id = int(pad if pad is not None else tokenizer.eos_token_id)
         self._factory: Callable[[], RolloutHarness] | None = None
-        self._slots: list[RolloutHarness] = []
+        self._slots: EnvSlots | None = None
         self.tasks, self.prompts = self._read_tasks()
         self._by_prompt: dict[str, list[Task]] = {}
         for task, prompt in zip(self.tasks, self.prompts, strict=True):
-            self._by_prompt.setdefault(prompt, []).append(task)
+            self._by_prompt.setdefault(_prompt_key(prompt), []).append(task)
 
     @classmethod
     def from_manifest(
@@ -242,7 +256,8 @@ class TRLEnv:
 
     @property
     def dataset(self) -> Any:
-        """A ``datasets.Dataset`` with one ``prompt`` per task, in task order."""
+        """A ``datasets.Dataset`` with one ``prompt`` per task, in task order: the task's first
+        prompt as messages (TRL's conversational format), text only."""
         from datasets import Dataset
 
         return Dataset.from_dict({"prompt": list(self.prompts)})
@@ -252,11 +267,17 @@ class TRLEnv:
         """The reward functions to give TRL: :meth:`env_reward`."""
         return [self.env_reward]
 
-    def trainer_kwargs(self) -> dict[str, Any]:
-        """``train_dataset``, ``reward_funcs`` and ``rollout_func``, for ``GRPOTrainer(**...)``."""
+    def trainer_kwargs(self, reward_funcs: Sequence[RewardFunc] = ()) -> dict[str, Any]:
+        """``train_dataset``, ``reward_funcs`` and ``rollout_func``, for ``GRPOTrainer(**...)``.
+
+        Args:
+            reward_funcs: TRL reward functions to add after :meth:`env_reward` (in this order,
+                for ``GRPOConfig.reward_weights``); each sees the policy's text only as its
+                ``completions`` (see :func:`policy_text_reward`).
+        """
         return {
             "train_dataset": self.dataset,
-            "reward_funcs": self.reward_funcs,
+            "reward_funcs": [*self.reward_funcs, *map(policy_text_reward, reward_funcs)],
             "rollout_func": self.rollout_func,
         }
 
@@ -277,7 +298,7 @@ class TRLEnv:
             log_metric("env/masked_rows", float(len(report.masked_rows)))
         return list(env_reward)
 
-    def rollout_func(self, prompts: list[str], trainer: Any) -> dict[str, list[Any]]:
+    def rollout_func(self, prompts: list[Messages], trainer: Any) -> dict[str, list[Any]]:
         """TRL's ``rollout_func``: play this process's rows on the trainer's current model.
 
         Raises:
@@ -309,7 +330,7 @@ class TRLEnv:
 
     def rollout(
         self,
-        prompts: Sequence[str],
+        prompts: Sequence[Messages],
         generate: Generate,
         *,
         num_generations: int,
@@ -322,7 +343,8 @@ class TRLEnv:
         the env first.
 
         Args:
-            prompts: This process's prompts, as TRL passes them (each group's rows in a row).
+            prompts: This process's prompts, as TRL passes them (each group's rows in a row):
+                rows of :attr:`dataset`.
             generate: Context ids of every live episode -> sampled ids and log-probs of each.
             num_generations: Rows per GRPO group.
             process_index: This process's index (its rows start at ``process_index *
@@ -331,8 +353,9 @@ class TRLEnv:
 
         Returns:
             One row per prompt: ``prompt_ids``, ``completion_ids``, ``logprobs``, ``env_mask``
-            (what TRL trains on), ``env_reward`` and ``env_stop_reason`` (passed to the reward
-            functions); :attr:`report` holds what was played.
+            (what TRL trains on), ``env_reward``, ``env_stop_reason`` and
+            ``policy_completion`` (passed to the reward functions); :attr:`report` holds what
+            was played.
 
         Raises:
             ValueError: a prompt is not one of :attr:`dataset`'s, the rows of one group have
@@ -348,15 +371,16 @@ class TRLEnv:
                 break
             free = [group.remaining for group in groups]
             tasks = [groups[g].task for g in wave]
-            played = play_episodes(self._harnesses(len(tasks)), tasks, generate)
+            played = self._env_slots().play(tasks, generate)
             episodes += [groups[g].place(e) for g, e in zip(wave, played, strict=True)]
             for g in set(wave):  # a group whose wave filled nothing (all failed) stops here
                 groups[g].exhausted = groups[g].remaining == free[g]
         masked = sum(group.mask_remaining(self._pad_id) for group in groups)
-        return columns(self._finish(groups, episodes, masked).rows)
+        rows = self._finish(groups, episodes, masked).rows
+        return columns(rows, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def _groups(
-        self, prompts: Sequence[str], num_generations: int, process: int, world: int
+        self, prompts: Sequence[Messages], num_generations: int, process: int, world: int
     ) -> list[GroupRows]:
         """This process's rows split by group, each with its task."""
         if num_generations < 1:
@@ -366,32 +390,33 @@ class TRLEnv:
         call = self.stats.rollouts
         stride = -(-world * len(prompts) // num_generations)  # groups in the global batch
         offset = process * len(prompts)
+        keys = [_prompt_key(prompt) for prompt in prompts]
         groups: list[GroupRows] = []
         start = 0
         while start < len(prompts):
             group = (offset + start) // num_generations
             end = min(len(prompts), (group + 1) * num_generations - offset)
             rows = range(start, end)
-            if len({prompts[i] for i in rows}) != 1:
+            if len({keys[i] for i in rows}) != 1:
                 raise ValueError(
                     f"rows {start}..{end - 1} form one GRPO group of {num_generations} but have "
                     "different prompts; pass the trainer's num_generations"
                 )
-            groups.append(GroupRows(group, rows, self._task(prompts[start], call * stride + group)))
+            groups.append(GroupRows(group, rows, self._task(keys[start], call * stride + group)))
             start = end
         return groups
 
-    def _task(self, prompt: str, draw: int) -> Task:
+    def _task(self, key: str, draw: int) -> Task:
         """The task a group plays: the prompt's; tasks that share it are dealt in turn.
 
         ``draw`` counts groups over every rollout so far (the call's number times its groups,
         plus the group's index in the global batch), so every process holding rows of a group
         picks the same task without talking to the others.
         """
-        candidates = self._by_prompt.get(prompt)
+        candidates = self._by_prompt.get(key)
         if candidates is None:
             raise ValueError(
-                f"the prompt {prompt[:80]!r} is not one of this env's tasks; train on "
+                f"the prompt {key[:80]!r} is not one of this env's tasks; train on "
                 "TRLEnv.dataset (its rows are the env's tasks)"
             )
         return candidates[draw % len(candidates)]
@@ -435,16 +460,18 @@ class TRLEnv:
             logger.warning("%s; %d rows are masked (they train nothing)", message, masked)
         return report
 
-    def _harnesses(self, count: int) -> list[RolloutHarness]:
-        """``count`` harnesses (kept between rollouts; built on first need)."""
-        if self._factory is None:
+    def _env_slots(self) -> EnvSlots:
+        """The rollout's harnesses (kept between rollouts).
+
+        Raises:
+            EnvBuildError: :meth:`build` was not called yet.
+        """
+        if self._slots is None:
             raise EnvBuildError(
                 "the rollout env is not built yet: call build() (rollout_func builds it from "
                 "the trainer's settings)"
             )
-        while len(self._slots) < count:
-            self._slots.append(self._factory())
-        return self._slots[:count]
+        return self._slots
 
     # -- building ----------------------------------------------------------------------------
 
@@ -467,13 +494,14 @@ class TRLEnv:
             max_output_tokens=max_tokens_per_turn,
             seed=self._seed,
         )
+        self._slots = EnvSlots(self._factory, io_timeout_s=self.config.io_timeout_s)
 
     @property
     def _seed(self) -> int:
         return 0 if self.config.seed is None else self.config.seed
 
-    def _read_tasks(self) -> tuple[list[Task], list[str]]:
-        """Every task of the env, and the text of its first prompt (read from a probe env)."""
+    def _read_tasks(self) -> tuple[list[Task], list[Messages]]:
+        """Every task of the env, and its first prompt as messages (read from a probe env)."""
         from agile_llmenvs.envs import make_rollout_env_factory
 
         factory, _ = make_rollout_env_factory(self.spec, self.tokenizer, seed=self._seed)
@@ -483,7 +511,7 @@ class TRLEnv:
             seeds = TaskAssigner(0, seed=self._seed)
             count = rows or self.config.num_tasks
             tasks = [Task(seeds.next_task().seed, i if rows else None) for i in range(count)]
-            prompts = [self.tokenizer.decode(first_prompt(harness, task)) for task in tasks]
+            prompts = [first_prompt(harness, task) for task in tasks]
         finally:
             harness.close()
             _close(factory)
@@ -491,10 +519,9 @@ class TRLEnv:
 
     def close(self) -> None:
         """Close every env (and stop the env hosts of a hosted env)."""
-        for harness in self._slots:
-            with suppress(Exception):
-                harness.close()
-        self._slots = []
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
         if self._factory is not None:
             _close(self._factory)
             self._factory = None
@@ -504,6 +531,11 @@ class TRLEnv:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _prompt_key(prompt: Messages | str) -> str:
+    """A prompt as a dict key: its messages in canonical JSON (TRL hands the rollout copies)."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
 
 
 def _close(factory: Any) -> None:

@@ -7,9 +7,10 @@ with a scripted policy, so row placement (restarts, failures, refills) is pinned
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,11 +20,18 @@ import pytest
 pytest.importorskip("trl")
 
 import torch
+from integrations.trl_fakes import scripted
 from transformers import AutoTokenizer
 
 from agile_llmenvs.envs import make_rollout_env_factory
 from agile_llmenvs.errors import EnvBuildError, EnvError
-from agile_llmenvs.integrations.trl import RolloutReport, TRLEnv, TRLEnvConfig
+from agile_llmenvs.integrations.trl import (
+    RolloutReport,
+    TRLEnv,
+    TRLEnvConfig,
+    policy_text_reward,
+)
+from agile_llmenvs.llm_envs.episode import TokenSample
 from agile_llmenvs.specs import LLMEnvSpec
 
 pytestmark = pytest.mark.filterwarnings("ignore:You are using 'rollout_func'")
@@ -38,27 +46,6 @@ def tokenizer(tiny_model_dir: Path) -> Any:
 
 def _spec(entrypoint: str, **fields: Any) -> LLMEnvSpec:
     return LLMEnvSpec.model_validate({"env_type": "rollout", "entrypoint": entrypoint, **fields})
-
-
-def _scripted(tokenizer: Any, *replies: str) -> Any:
-    """A policy that answers the k-th generate call with ``replies[k]`` (the last one from then
-    on), then end-of-turn, log-prob -0.5 per id. A reply ``"a|b"`` answers the call's first
-    context ``a`` and the others ``b``."""
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    calls = iter(replies)
-    reply = replies[0]
-
-    def generate(contexts: list[list[int]]) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
-        nonlocal reply
-        reply = next(calls, reply)
-        texts = reply.split("|")
-        out = []
-        for i in range(len(contexts)):
-            ids = (*tokenizer.encode(texts[min(i, len(texts) - 1)], add_special_tokens=False), end)
-            out.append((ids, (-0.5,) * len(ids)))
-        return out
-
-    return generate
 
 
 # -- what TRL trains on ----------------------------------------------------------------------
@@ -104,10 +91,15 @@ def _mask_runs(mask: tuple[bool, ...]) -> int:
 
 
 def _train(
-    env: TRLEnv, model_dir: Path, tmp_path: Path, **settings: Any
+    env: TRLEnv,
+    model_dir: Path,
+    tmp_path: Path,
+    reward_funcs: Sequence[Callable[..., Any]] = (),
+    **settings: Any,
 ) -> tuple[Any, list[RolloutReport], list[dict[str, Any]]]:
-    """Run GRPOTrainer through the adapter; returns the trainer, each rollout's report and
-    the inputs of every loss computation (CPU copies)."""
+    """Run GRPOTrainer through the adapter (``reward_funcs`` added through
+    ``trainer_kwargs``); returns the trainer, each rollout's report and the inputs of every
+    loss computation (CPU copies)."""
     from trl import GRPOConfig, GRPOTrainer
 
     reports: list[RolloutReport] = []
@@ -135,7 +127,7 @@ def _train(
             **settings,
         },
     )
-    kwargs = {**env.trainer_kwargs(), "rollout_func": rollout_func}
+    kwargs = {**env.trainer_kwargs(reward_funcs), "rollout_func": rollout_func}
     trainer = GRPOTrainer(model=str(model_dir), args=args, processing_class=env.tokenizer, **kwargs)
     seen: list[dict[str, Any]] = []
     compute_loss = trainer._compute_loss
@@ -185,6 +177,79 @@ def test_grpo_trainer_trains_on_exactly_the_harness_samples(
     turns = Counter(p.episode.num_turns for r in reports for p in r.episodes)
     assert set(turns) >= {2, 3}, turns  # env ids inside multi-turn completions, mask 0
     assert env.stats.rows == env.stats.episodes == env.stats.samples == 24
+
+
+def _mask_stretches(sample: TokenSample) -> list[tuple[int, ...]]:
+    """The ids of each stretch of sampled ids in the sample (``action_mask[k]`` describes
+    ``token_ids[k + 1]``): the policy's turns."""
+    stretches: list[list[int]] = []
+    for k, sampled in enumerate(sample.action_mask):
+        if sampled and (k == 0 or not sample.action_mask[k - 1]):
+            stretches.append([])
+        if sampled:
+            stretches[-1].append(sample.token_ids[k + 1])
+    return [tuple(ids) for ids in stretches]
+
+
+def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    """Ids as TRL decodes a completion."""
+    return str(tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def test_an_added_reward_function_sees_the_messages_and_the_policy_text_only(
+    seeded_turns_manifest: Path, tiny_model_dir: Path, tokenizer: Any, tmp_path: Path
+) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def turns_played(
+        prompts: list[Any], completions: list[Any], completion_ids: list[Any], **columns: Any
+    ) -> list[float]:
+        seen.append({"prompts": prompts, "completions": completions, "ids": completion_ids})
+        return [float(len(completion)) for completion in completions]
+
+    env = TRLEnv.from_manifest(seeded_turns_manifest, tokenizer, config=TRLEnvConfig(num_tasks=16))
+    with env:
+        trainer, reports, _ = _train(env, tiny_model_dir, tmp_path, [turns_played], max_steps=2)
+    assert trainer.reward_func_names == ["env_reward", "turns_played"]
+    assert len(seen) == len(reports) == 2
+    multi_turn_rows = 0
+    for record, report in zip(seen, reports, strict=True):
+        expected: dict[int, tuple[Any, list[dict[str, str]]]] = {}
+        for played in report.episodes:
+            prompt = env.prompts[env.tasks.index(played.task)]
+            for row, sample in zip(played.rows, played.episode.samples, strict=False):
+                texts = [_decode(tokenizer, ids) for ids in _mask_stretches(sample)]
+                expected[row] = (prompt, [{"role": "assistant", "content": t} for t in texts])
+        assert sorted(expected) == list(range(8))
+        # the prompt TRL passes on is the task's conversation, as the dataset holds it
+        assert record["prompts"] == [expected[row][0] for row in range(8)]
+        # the completion is the policy's turns, one assistant message each, and nothing else
+        assert record["completions"] == [expected[row][1] for row in range(8)]
+        for completion, ids in zip(record["completions"], record["ids"], strict=True):
+            if len(completion) > 1:  # TRL's own completion holds the env's "turn 1" between
+                multi_turn_rows += 1
+                assert "turn 1" in _decode(tokenizer, ids)
+                assert all("turn 1" not in message["content"] for message in completion)
+    assert multi_turn_rows > 0
+
+
+def test_policy_text_rewards_keep_name_and_asyncness_and_refuse_reward_models() -> None:
+    import inspect
+
+    async def judge(completions: list[Any], **columns: Any) -> list[float]:
+        return [float(len(c[0]["content"])) for c in completions]
+
+    wrapped = policy_text_reward(judge)
+    assert wrapped.__name__ == "judge"
+    assert inspect.iscoroutinefunction(wrapped)
+    policy = [[{"role": "assistant", "content": "abc"}]]
+    trl_text = [[{"role": "assistant", "content": "abc\nuser\nturn 1"}]]
+    rewards = asyncio.run(wrapped(completions=trl_text, policy_completion=policy, prompts=[[]]))
+    assert rewards == [3.0]
+    with pytest.raises(ValueError, match="no policy_completion column"):
+        asyncio.run(wrapped(completions=trl_text))
+    with pytest.raises(TypeError, match="a reward model scores the completions TRL decodes"):
+        policy_text_reward("some/reward-model")  # type: ignore[arg-type]
 
 
 def test_failed_env_is_reported_and_its_masked_rows_add_no_gradient(
@@ -260,7 +325,7 @@ def restarting_env(tokenizer: Any) -> Iterator[TRLEnv]:
 
 def test_restarted_episode_gives_one_row_per_sample(restarting_env: TRLEnv, tokenizer: Any) -> None:
     env, prompt = restarting_env, restarting_env.prompts[0]
-    columns = env.rollout([prompt] * 4, _scripted(tokenizer, "7" * 40), num_generations=4)
+    columns = env.rollout([prompt] * 4, scripted(tokenizer, "7" * 40), num_generations=4)
     report = env.report
     assert report is not None
     # the first wave plays one episode per row: the first two fill the group, two by two
@@ -275,7 +340,7 @@ def test_restarted_episode_gives_one_row_per_sample(restarting_env: TRLEnv, toke
             assert columns["env_mask"][index] == [1] * 41  # 40 digits and end-of-turn
     assert columns["env_reward"] == [3.0] * 4  # turn rewards 1 + 2, on both samples
     # the second rollout sizes its wave by the two samples an episode gives
-    env.rollout([prompt] * 4, _scripted(tokenizer, "7" * 40), num_generations=4)
+    env.rollout([prompt] * 4, scripted(tokenizer, "7" * 40), num_generations=4)
     assert [p.rows for p in env.report.episodes] == [(0, 1), (2, 3)]
     assert env.stats.samples_per_episode == 2.0
 
@@ -284,7 +349,7 @@ def test_the_episode_that_overfills_a_group_keeps_its_first_samples(
     restarting_env: TRLEnv, tokenizer: Any
 ) -> None:
     prompt = restarting_env.prompts[0]
-    restarting_env.rollout([prompt] * 3, _scripted(tokenizer, "7" * 40), num_generations=3)
+    restarting_env.rollout([prompt] * 3, scripted(tokenizer, "7" * 40), num_generations=3)
     report = restarting_env.report
     assert report is not None
     assert [p.rows for p in report.episodes] == [(0, 1), (2,), ()]
@@ -296,7 +361,7 @@ def test_failed_episode_rows_are_refilled_by_the_next_wave(tokenizer: Any) -> No
     with TRLEnv(_spec("echo_envs:EchoEnv"), tokenizer) as env:
         env.build(max_tokens_per_turn=8, max_model_len=None)
         columns = env.rollout(
-            [env.prompts[2]] * 4, _scripted(tokenizer, "boom|stop", "stop"), num_generations=4
+            [env.prompts[2]] * 4, scripted(tokenizer, "boom|stop", "stop"), num_generations=4
         )
     report = env.report
     assert report is not None
@@ -308,30 +373,50 @@ def test_failed_episode_rows_are_refilled_by_the_next_wave(tokenizer: Any) -> No
     assert report.masked_rows == ()
 
 
+def test_policy_completion_is_the_sampled_text_and_empty_on_masked_rows(tokenizer: Any) -> None:
+    spec = _spec("echo_envs:RowEnv", env_config={"rows": 2})
+    with TRLEnv(spec, tokenizer) as env:
+        env.spec = _spec("echo_envs:RowEnv", env_config={"rows": 2, "fail_rows": [1]})
+        env.build(max_tokens_per_turn=8, max_model_len=None)
+        prompts = [env.prompts[0]] * 2 + [env.prompts[1]] * 2
+        columns = env.rollout(prompts, scripted(tokenizer, "0"), num_generations=2)
+    assert columns["env_reward"] == [1.0, 1.0, None, None]
+    # the sampled "0<|im_end|>" decoded as TRL decodes it; a masked row has one empty turn
+    assert columns["policy_completion"] == [
+        [{"role": "assistant", "content": "0"}],
+        [{"role": "assistant", "content": "0"}],
+        [{"role": "assistant", "content": ""}],
+        [{"role": "assistant", "content": ""}],
+    ]
+
+
 def test_every_episode_failing_raises(tokenizer: Any) -> None:
     with TRLEnv(_spec("echo_envs:RowEnv", env_config={"rows": 2}), tokenizer) as env:
         env.spec = _spec("echo_envs:RowEnv", env_config={"rows": 2, "fail_rows": [0, 1]})
         env.build(max_tokens_per_turn=8, max_model_len=None)
         with pytest.raises(EnvError, match="every episode of this TRL batch failed: 4 of 4"):
-            env.rollout([env.prompts[0]] * 4, _scripted(tokenizer, "0"), num_generations=4)
+            env.rollout([env.prompts[0]] * 4, scripted(tokenizer, "0"), num_generations=4)
     assert env.stats.failed_episodes == 4
 
 
 def test_dataset_rows_are_the_env_tasks_and_their_first_prompts(tokenizer: Any) -> None:
     spec = _spec("echo_envs:RowEnv", env_config={"rows": 5})
     with TRLEnv(spec, tokenizer) as env:
+        # TRL's conversational format: the first prompt as messages
         assert env.dataset["prompt"] == env.prompts
+        assert env.prompts == [[{"role": "user", "content": f"Say {r}."}] for r in range(5)]
         assert [t.row_index for t in env.tasks] == [0, 1, 2, 3, 4]
         factory, _ = make_rollout_env_factory(spec, tokenizer, seed=0)
         harness = factory()
         for task, prompt in zip(env.tasks, env.dataset["prompt"], strict=True):
-            assert prompt == tokenizer.decode(harness.reset(**task.reset_kwargs()))
+            rendered = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            assert rendered["input_ids"] == harness.reset(**task.reset_kwargs())
         harness.close()
         env.build(max_tokens_per_turn=8, max_model_len=None)
         # process 1 of 2 holds global rows 6..11: the last two of group 1, all of group 2
         prompts = [env.prompts[3]] * 2 + [env.prompts[4]] * 4
         env.rollout(
-            prompts, _scripted(tokenizer, "3"), num_generations=4, process_index=1, world_size=2
+            prompts, scripted(tokenizer, "3"), num_generations=4, process_index=1, world_size=2
         )
     report = env.report
     assert report is not None
@@ -355,9 +440,9 @@ def test_a_group_of_rows_with_different_prompts_is_refused(tokenizer: Any) -> No
     with TRLEnv(_spec("echo_envs:RowEnv", env_config={"rows": 2}), tokenizer) as env:
         env.build(max_tokens_per_turn=8, max_model_len=None)
         with pytest.raises(ValueError, match="different prompts; pass the trainer's"):
-            env.rollout(env.prompts, _scripted(tokenizer, "0"), num_generations=2)
+            env.rollout(env.prompts, scripted(tokenizer, "0"), num_generations=2)
         with pytest.raises(ValueError, match="is not one of this env's tasks"):
-            env.rollout(["hello"] * 2, _scripted(tokenizer, "0"), num_generations=2)
+            env.rollout(["hello"] * 2, scripted(tokenizer, "0"), num_generations=2)
 
 
 def test_sampling_settings_the_rollout_cannot_apply_are_refused(tokenizer: Any) -> None:

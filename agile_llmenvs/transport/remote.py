@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
@@ -467,8 +467,8 @@ def _open_sync(url: str, options: dict[str, Any]) -> SyncClientConnection:
     ``connect()`` returns the connection today and a connecter in a later ``websockets``;
     entering either as a context manager gives the connection without a deprecation warning.
     """
-    connection: SyncClientConnection = sync_connect(url, **options).__enter__()
-    return connection
+    connection: Any = sync_connect(url, **options).__enter__()  # websockets 16 types it looser
+    return cast(SyncClientConnection, connection)
 
 
 def _close_quietly(ws: SyncClientConnection) -> None:

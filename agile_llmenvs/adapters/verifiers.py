@@ -1,0 +1,445 @@
+"""verifiers environments (``verifiers``, the ``verifiers`` extra) as text envs: ``factory:
+agile_llmenvs.adapters.verifiers:make`` with the env as the entrypoint, either an installed
+verifiers env id (``vf-math-python``, loaded by ``verifiers.load_environment``) or a
+``module:attr`` that is a verifiers env or builds one.
+
+The classic verifiers API is driven: ``SingleTurnEnv``, ``MultiTurnEnv``, ``ToolEnv`` and any
+other ``verifiers.Environment`` with a ``rollout(input, client, model)``, with its ``Rubric``.
+That API lives in verifiers 0.3.x (under ``verifiers.legacy``, also at its old paths); 0.4
+dropped it for a new stack (``verifiers.v1``) that this adapter does not drive.
+
+How an episode runs: the env's own ``rollout`` coroutine plays the dataset row on one private
+event loop per adapter, run in the calling thread, with a client that hands each model call to
+the policy.
+``reset`` starts the rollout and returns when the env asks the model for the first time;
+``step`` answers that call with the policy's text (its tool calls parsed in
+``tool_call_parser``'s format) and returns when the env asks again or the rollout ends. Each
+of these is bounded by ``call_timeout_s``. The env's rubric scores the finished rollout: the
+reward is paid on the terminal step, with the rubric's ``metrics`` in ``info``. A rollout
+still under way is cancelled by ``reset`` and ``close`` (its cleanup handlers run), and
+``close`` also stops the env's worker threads.
+
+Every observation's messages are in ``info["messages"]`` with their roles (system, user,
+tool); the observation text is their contents, the system message left out (it is in
+``info["system_prompt"]``: set the harness's ``system_prompt`` to show it in the system role).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from agile_llmenvs.errors import (
+    AgileLLMEnvsError,
+    EnvBuildError,
+    EnvExecutionError,
+    OptionalDependencyError,
+)
+from agile_llmenvs.llm_envs.tool_calls import parse_tool_calls
+from agile_llmenvs.transport.resolve import load_entrypoint
+
+__all__ = ["DEFAULT_MAX_TURNS", "VerifiersEnv", "make"]
+
+DEFAULT_MAX_TURNS = 32
+"""The turn budget of a verifiers env that sets no ``max_turns`` of its own."""
+
+POLICY_MODEL = "agile-llmenvs-policy"
+"""The model name the env's rollout is given (it reaches only this adapter's client)."""
+
+
+@dataclass
+class _Rollout:
+    """The episode under way: the env's rollout task, its row, and the messages of the env's
+    last model call (the policy's context so far)."""
+
+    task: asyncio.Task[Any]
+    row_index: int
+    shown: list[Any] = field(default_factory=list)
+
+
+class VerifiersEnv:
+    """A classic verifiers ``Environment`` behind the
+    :class:`~agile_llmenvs.llm_envs.TextEnv` contract.
+
+    Attributes:
+        env: The verifiers env.
+        dataset_size: Rows of the split played; ``reset(row_index=i)`` plays row ``i``.
+        max_turns: The env's own ``max_turns`` (1 for a ``SingleTurnEnv``), else
+            :data:`DEFAULT_MAX_TURNS`.
+        tools: The env's tools as JSON-schema function descriptions (``name``,
+            ``description``, ``parameters``); empty when it has none.
+    """
+
+    def __init__(
+        self,
+        env: Any,
+        *,
+        split: str = "train",
+        call_timeout_s: float | None = 60.0,
+        tool_call_parser: str = "hermes",
+    ) -> None:
+        self.env = env
+        if split not in ("train", "eval"):
+            raise EnvBuildError(f"split must be 'train' or 'eval', got {split!r}")
+        try:
+            rows = env.get_dataset() if split == "train" else env.get_eval_dataset()
+        except ValueError as exc:  # verifiers: "dataset is not set"
+            raise EnvBuildError(f"the verifiers env has no {split} dataset: {exc}") from exc
+        self.rows = rows
+        self.dataset_size = len(rows)
+        env_turns = int(getattr(env, "max_turns", -1) or -1)
+        self.max_turns = env_turns if env_turns > 0 else DEFAULT_MAX_TURNS
+        self.tools = [tool.model_dump(exclude_none=True) for tool in env.tool_defs or []]
+        self.call_timeout_s = call_timeout_s
+        self.tool_call_parser = tool_call_parser
+        self._loop = asyncio.new_event_loop()
+        # the env's sync work run off the loop (datasets, sync tools): joined on close
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="verifiers-env")
+        self._loop.set_default_executor(self._executor)
+        self._client = _policy_client()
+        self._rollout: _Rollout | None = None
+        self._closed = False
+
+    def reset(
+        self, *, seed: int | None = None, row_index: int | None = None, **task: Any
+    ) -> tuple[str, dict[str, Any]]:
+        """Start the rollout of row ``row_index`` (else a row drawn by ``seed``, else row 0);
+        returns the prompt's text and its messages. Other task keys are ignored.
+
+        Raises:
+            RuntimeError: the env is closed.
+            IndexError: ``row_index`` is outside the dataset.
+            TimeoutError: the env did not ask the model within ``call_timeout_s``.
+            EnvExecutionError: the rollout ended before its first model call.
+        """
+        if self._closed:
+            raise RuntimeError("reset() after close()")
+        self._cancel_rollout()
+        index = self._pick_row(seed, row_index)
+        row = dict(self.rows[index])
+        row.setdefault("example_id", index)
+        rollout = self.env.rollout(row, self._client, POLICY_MODEL, {})
+        self._rollout = _Rollout(self._loop.create_task(rollout), index)
+        messages = self._advance()
+        if messages is None:
+            state = self._finished_state()
+            raise EnvExecutionError(
+                f"the verifiers rollout of row {index} ended before asking the model "
+                f"(stop condition {state.get('stop_condition')!r}, error {state.get('error')!r})"
+            )
+        self._rollout.shown = list(messages)
+        system = [_text(m.content) for m in messages if m.role == "system"]
+        info: dict[str, Any] = {
+            "row_index": index,
+            "messages": [_message_dict(m) for m in messages],
+        }
+        if system:
+            info["system_prompt"] = "\n\n".join(system)
+        return _observation(messages), info
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Answer the env's model call with the policy's text; returns the env's reply (its
+        new messages), or the rubric's reward and metrics when the rollout is over.
+
+        Raises:
+            RuntimeError: no rollout is waiting for the policy (before ``reset``, after the
+                end, or after ``close``).
+            TimeoutError: the env did not reply, or the rubric did not score, within
+                ``call_timeout_s``; the rollout is cancelled.
+        """
+        pending, rollout = self._client.answer, self._rollout
+        if rollout is None or pending is None or pending.done():
+            raise RuntimeError("step() before reset() or after the rollout ended")
+        pending.set_result(self._response(action))
+        messages = self._advance()
+        if messages is not None:
+            new = list(messages[len(rollout.shown) + 1 :])  # after the policy's own message
+            rollout.shown = list(messages)
+            info = {"row_index": rollout.row_index, "messages": [_message_dict(m) for m in new]}
+            return _observation(new), 0.0, False, False, info
+        state = self._finished_state()
+        self._run(self._score(state), "scoring the rollout")
+        final = list(state.get("final_env_response") or [])
+        info = {
+            "row_index": rollout.row_index,
+            "metrics": dict(state.get("metrics") or {}),
+            "stop_condition": state.get("stop_condition"),
+            "messages": [_message_dict(m) for m in final],
+        }
+        if state.get("error") is not None:
+            info["error"] = repr(state["error"])
+        if state.get("timed_out"):
+            info["timed_out"] = True
+        return _observation(final), float(state.get("reward") or 0.0), True, False, info
+
+    def close(self) -> None:
+        """Cancel a rollout under way, tear the env down, stop the loop and its threads;
+        idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._cancel_rollout()
+            leftover = asyncio.all_tasks(self._loop)
+            for task in leftover:
+                task.cancel()
+            if leftover:
+                self._loop.run_until_complete(asyncio.wait(leftover, timeout=self.call_timeout_s))
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+        finally:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._loop.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _pick_row(self, seed: int | None, row_index: int | None) -> int:
+        if row_index is None:
+            return random.Random(seed).randrange(self.dataset_size) if seed is not None else 0
+        index = int(row_index)
+        if not 0 <= index < self.dataset_size:
+            raise IndexError(f"row_index {index} is outside the {self.dataset_size} rows")
+        return index
+
+    def _advance(self) -> list[Any] | None:
+        """Run the rollout until the env asks the model (its prompt messages) or ends (None)."""
+        assert self._rollout is not None
+        rollout = self._rollout.task
+        asked = self._client.expect(self._loop)
+
+        async def next_call() -> list[Any] | None:
+            done, _ = await asyncio.wait(
+                {rollout, asked}, timeout=self.call_timeout_s, return_when="FIRST_COMPLETED"
+            )
+            if asked in done:
+                return list(asked.result())
+            if rollout in done:
+                return None
+            raise TimeoutError(
+                f"the verifiers env did not reply within call_timeout_s={self.call_timeout_s}"
+            )
+
+        try:
+            return self._loop.run_until_complete(next_call())
+        except TimeoutError:
+            self._cancel_rollout()
+            raise
+
+    def _finished_state(self) -> Any:
+        assert self._rollout is not None
+        rollout, self._rollout = self._rollout.task, None
+        return rollout.result()  # the env's own failures are in state["error"]
+
+    async def _score(self, state: Any) -> None:
+        rubric = self.env.rubric
+        if getattr(self.env, "score_rollouts", True):
+            await rubric.score_rollout(state)
+        else:
+            await rubric.dummy_score_rollout(state)
+        await rubric.cleanup(state)
+
+    def _run(self, coroutine: Any, doing: str) -> Any:
+        try:
+            return self._loop.run_until_complete(
+                asyncio.wait_for(coroutine, timeout=self.call_timeout_s)
+            )
+        except TimeoutError as exc:
+            raise TimeoutError(
+                f"{doing} took longer than call_timeout_s={self.call_timeout_s}"
+            ) from exc
+
+    def _cancel_rollout(self) -> None:
+        """Cancel the rollout under way, letting its cleanup handlers run."""
+        rollout, self._rollout = self._rollout, None
+        self._client.answer = None
+        if rollout is None or rollout.task.done():
+            return
+        rollout.task.cancel()
+        self._loop.run_until_complete(asyncio.wait({rollout.task}, timeout=self.call_timeout_s))
+
+    def _response(self, text: str) -> Any:
+        from verifiers.types import Response, ResponseMessage, ToolCall
+
+        calls = []
+        if self.tools:
+            parsed = parse_tool_calls(text, self.tool_call_parser, reasoning=None)
+            # a malformed call is sent as plain text: the env's own rules judge it
+            for number, call in enumerate(parsed.calls if parsed.error is None else ()):
+                arguments = json.dumps(call.arguments)
+                calls.append(ToolCall(id=f"call_{number}", name=call.name, arguments=arguments))
+        message = ResponseMessage(
+            content=text,
+            tool_calls=calls or None,
+            finish_reason="tool_calls" if calls else "stop",
+            is_truncated=False,
+        )
+        return Response(
+            id=f"policy-{time.monotonic_ns()}",
+            created=int(time.time()),
+            model=POLICY_MODEL,
+            message=message,
+        )
+
+
+class _MainThreadSignals:
+    """The ``signal`` module as verifiers' ``Environment`` sees it: it installs SIGINT and
+    SIGTERM handlers when built, which Python allows only on the main thread, so elsewhere (an
+    env server's session thread, a host's worker) they are skipped."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(signal, name)
+
+    def signal(self, signum: int, handler: Any) -> Any:
+        if threading.current_thread() is threading.main_thread():
+            return signal.signal(signum, handler)
+        return signal.getsignal(signum)
+
+
+def _build_off_the_main_thread(environment_class: type) -> None:
+    module = sys.modules.get(environment_class.__module__)
+    if module is not None and getattr(module, "signal", None) is signal:
+        module.signal = _MainThreadSignals()  # type: ignore[attr-defined]
+
+
+def _policy_client() -> Any:
+    """A verifiers ``Client`` whose model call waits for the policy: ``expect`` arms a future
+    that the env's next call resolves with its prompt; ``answer`` is what the call awaits."""
+    from verifiers.clients import Client
+
+    class PolicyClient(Client):
+        def __init__(self) -> None:
+            super().__init__(None)
+            self.asked: asyncio.Future[list[Any]] | None = None
+            self.answer: asyncio.Future[Any] | None = None
+
+        def expect(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[list[Any]]:
+            self.asked = loop.create_future()
+            return self.asked
+
+        async def get_response(
+            self, prompt: Any, model: str, sampling_args: Any, tools: Any = None, **kwargs: Any
+        ) -> Any:
+            if self.asked is None or self.asked.done():
+                raise RuntimeError("the verifiers env called the model twice in one turn")
+            self.answer = asyncio.get_running_loop().create_future()
+            self.asked.set_result(list(prompt))
+            return await self.answer
+
+        # the abstract hooks of a provider client: never reached, get_response is overridden
+        def setup_client(self, config: Any) -> Any:
+            return None
+
+        async def to_native_tool(self, tool: Any) -> Any:
+            return tool
+
+        async def to_native_prompt(self, messages: Any) -> tuple[Any, dict[str, Any]]:
+            return messages, {}
+
+        async def get_native_response(self, *args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError
+
+        async def raise_from_native_response(self, response: Any) -> None:
+            return None
+
+        async def from_native_response(self, response: Any) -> Any:
+            return response
+
+        async def close(self) -> None:
+            return None
+
+    return PolicyClient()
+
+
+def _text(content: Any) -> str:
+    """A message's content as text: a string, or the text parts of a content-part list."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        data = part if isinstance(part, Mapping) else getattr(part, "__dict__", {})
+        if data.get("type") == "text":
+            parts.append(str(data.get("text", "")))
+    return "\n".join(parts)
+
+
+def _message_dict(message: Any) -> dict[str, Any]:
+    found: dict[str, Any] = {"role": message.role, "content": _text(message.content)}
+    if getattr(message, "tool_call_id", None):
+        found["tool_call_id"] = message.tool_call_id
+    return found
+
+
+def _observation(messages: Sequence[Any]) -> str:
+    return "\n\n".join(_text(m.content) for m in messages if m.role != "system")
+
+
+def make(
+    env_id: str,
+    *,
+    split: str = "train",
+    call_timeout_s: float | None = 60.0,
+    tool_call_parser: str = "hermes",
+    **kwargs: Any,
+) -> VerifiersEnv:
+    """Build verifiers env ``env_id`` as a text env.
+
+    Args:
+        env_id: An installed verifiers env id (``verifiers.load_environment(env_id,
+            **kwargs)``), or a ``module:attr`` import path of a verifiers env or of a callable
+            that builds one from ``kwargs`` (a ``load_environment`` function, say).
+        split: The rows played: ``train`` (the env's ``dataset``) or ``eval``.
+        call_timeout_s: The longest the env may take between two policy turns (its
+            ``env_response``, tools and setup), and to score; None waits forever.
+        tool_call_parser: The format of the policy's tool calls (see
+            :data:`~agile_llmenvs.llm_envs.tool_calls.TOOL_CALL_PARSERS`).
+        **kwargs: The env's own arguments.
+
+    Raises:
+        OptionalDependencyError: ``verifiers`` is not installed.
+        EnvBuildError: the installed verifiers has no classic API (0.4 and later), or the
+            env cannot be loaded, or is not a classic verifiers env.
+    """
+    try:
+        import verifiers
+    except ImportError as exc:
+        raise OptionalDependencyError(
+            "verifiers", extra="verifiers", feature=f"the verifiers env {env_id!r}"
+        ) from exc
+    try:
+        from verifiers.envs.environment import Environment
+    except ImportError as exc:
+        version = getattr(verifiers, "__version__", "?")
+        raise EnvBuildError(
+            f"verifiers {version} has no classic API (verifiers.envs), which this adapter "
+            'drives: install verifiers 0.3.x (pip install "agile-llmenvs[verifiers]"); the '
+            "verifiers.v1 stack of 0.4 is not supported"
+        ) from exc
+    _build_off_the_main_thread(Environment)
+    try:
+        if ":" in env_id:
+            found = load_entrypoint(env_id)
+            building = callable(found) and not isinstance(found, Environment)
+            env = found(**kwargs) if building else found
+        else:
+            env = verifiers.load_environment(env_id, **kwargs)
+    except AgileLLMEnvsError:
+        raise
+    except Exception as exc:
+        raise EnvBuildError(
+            f"verifiers could not load {env_id!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(env, Environment):
+        raise EnvBuildError(f"{env_id!r} gave a {type(env).__name__}, not a verifiers Environment")
+    return VerifiersEnv(
+        env, split=split, call_timeout_s=call_timeout_s, tool_call_parser=tool_call_parser
+    )

@@ -20,8 +20,9 @@ still under way is cancelled by ``reset`` and ``close`` (its cleanup handlers ru
 ``close`` also stops the env's worker threads.
 
 Every observation's messages are in ``info["messages"]`` with their roles (system, user,
-tool); the observation text is their contents, the system message left out (it is in
-``info["system_prompt"]``: set the harness's ``system_prompt`` to show it in the system role).
+tool); the observation text is their contents, the system message left out: it is in the
+reset's ``info["system_prompt"]``, which the rollout harness shows in the chat template's
+system role (unless the run sets a ``system_prompt`` of its own).
 """
 
 from __future__ import annotations

@@ -29,7 +29,9 @@ class TextEnv(Protocol):
 
     ``reset`` takes the task as keyword arguments (a dataset row's ``row_index``, say, or
     whatever keys the env understands) and returns the first prompt; ``step`` takes the
-    policy's text and returns the next observation, the reward and the two end flags.
+    policy's text and returns the next observation, the reward and the two end flags. A
+    reset ``info["system_prompt"]`` (a string) is the episode's system message: the rollout
+    harness shows it in the chat template's system role unless the run sets its own.
     """
 
     def reset(self, *, seed: int | None = None, **task: Any) -> tuple[str, dict[str, Any]]:

@@ -158,6 +158,7 @@ class EpisodeState:
     messages: list[dict[str, Any]] = field(default_factory=list)
     prompt_text: str = ""
     reset_kwargs: dict[str, Any] = field(default_factory=dict)
+    system_prompt: str | None = None
     stop_reason: StopReason | None = None
     info: dict[str, Any] = field(default_factory=dict)
 

@@ -80,7 +80,8 @@ class HarnessConfig:
         max_model_len: Context budget: an over-long first prompt ends the episode at turn 0
             (``PROMPT_LIMIT``); a later overflow ends it at the last generation
             (``CONTEXT_LIMIT``).
-        system_prompt: System message of every prompt.
+        system_prompt: System message of every prompt (None: the env's reset
+            ``info["system_prompt"]`` when it gives one, else none).
         tasks: Per-row reset kwargs; ``reset(row_index=i)`` merges ``tasks[i]``.
         eval_tasks: Held-out per-row reset kwargs used in eval mode.
         segment_prompt_tokens: A bound on every prompt the policy sees: a context that would
@@ -315,6 +316,7 @@ class RolloutHarness:
         episode.prompt_text = yield from self._first_prompt(reply)
         head = "\n\n".join(filter(None, [self.config.instruction, episode.prompt_text]))
         content = with_images(head, self.renderer.images(reply))
+        episode.system_prompt = self.config.system_prompt or _env_system_prompt(episode.info)
         episode.messages = [*self._system(), {"role": "user", "content": content}]
         ids, episode.images = self.renderer.prompt(episode.messages)
         episode.append(ids, turn=None)
@@ -450,7 +452,7 @@ class RolloutHarness:
         episode.messages += [{"role": "assistant", "content": text}, *observations]
         episode.prompt_text = observation
         config = self.config
-        system = bool(config.system_prompt)
+        system = bool(episode.system_prompt)
         appended = self.renderer.turn(completion_ids, observations, system=system)
         new_sample = appended is None
         # A template that rewrites earlier turns: the policy sees the template's re-rendering.
@@ -504,7 +506,7 @@ class RolloutHarness:
             render=render,
             keep_turns=config.restart_keep_turns,
             instruction=config.instruction,
-            system_prompt=config.system_prompt,
+            system_prompt=episode.system_prompt,
         )
         return fitted, rendered[tuple(fitted.ids)]
 
@@ -550,13 +552,20 @@ class RolloutHarness:
         return reply.prompt
 
     def _system(self) -> list[dict[str, Any]]:
-        prompt = self.config.system_prompt
+        prompt = self._require_episode().system_prompt
         return [{"role": "system", "content": prompt}] if prompt else []
 
     def _require_episode(self) -> EpisodeState:
         if self._episode is None:
             raise EnvStateError("call reset() first")
         return self._episode
+
+
+def _env_system_prompt(info: Mapping[str, Any]) -> str | None:
+    """The system prompt an env gives in its reset ``info["system_prompt"]`` (a string), if
+    any: shown in the template's system role when the harness sets none of its own."""
+    prompt = info.get("system_prompt")
+    return prompt if isinstance(prompt, str) and prompt else None
 
 
 _ASYNC_CALLS = AsyncEnvCalls()

@@ -126,8 +126,10 @@ def test_an_oracle_scores_one_with_the_rubric_metrics_in_info(
         assert metrics["exact_answer"] == 1.0
         assert metrics["num_turns"] == float(len(rewards))
         assert episode.info["row_index"] == trajectory.task.row_index
-    for context in seen:  # the system prompt is not shown as user text
-        assert "Reply with the number only." not in context
+    system = "<|im_start|>system\nReply with the number only.<|im_end|>\n<|im_start|>user\n"
+    for context in seen:  # the env's system prompt: in the system role, once, not as user text
+        assert context.startswith(system)
+        assert context.count("Reply with the number only.") == 1
     if loader == "load_tool":
         for trajectory in batch.trajectories:
             assert trajectory.episode.info["metrics"]["add_calls"] == 1.0
@@ -150,9 +152,7 @@ def test_the_system_message_goes_in_the_templates_system_role(tokenizer: Any) ->
     _, info = env.reset(row_index=2)
     assert info["system_prompt"] == "Reply with the number only."
     assert [m["role"] for m in info["messages"]] == ["system", "user"]
-    harness = RolloutHarness(
-        InProcessEnvClient(env), tokenizer, 1, system_prompt=info["system_prompt"]
-    )
+    harness = RolloutHarness(InProcessEnvClient(env), tokenizer, 1)  # no system_prompt set
     try:
         context = tokenizer.decode(harness.reset(row_index=2))
     finally:

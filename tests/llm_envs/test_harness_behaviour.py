@@ -329,3 +329,40 @@ def test_in_process_and_served_envs_give_identical_episode_data(tokenizer: Any) 
     )
     assert local == remote == from_spec == entry
     assert local.stop_reason is StopReason.TERMINATED
+
+
+class _SystemPromptEnv(ScriptedEnv):
+    """A ScriptedEnv that gives its own system prompt in the reset info."""
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> tuple[str, dict[str, Any]]:
+        observation, info = super().reset(seed=seed, **task)
+        return observation, {**info, "system_prompt": "Answer in one word."}
+
+
+@pytest.mark.parametrize("case", [None, "llama31"])
+def test_an_env_system_prompt_is_shown_in_the_system_role_unless_the_run_sets_one(
+    tokenizer: Any, case: str | None
+) -> None:
+    from real_tokenizers import load_mistral_tokenizer
+    from template_corpus import get_case, with_template
+
+    tok = (
+        tokenizer
+        if case is None
+        else with_template(lambda: load_mistral_tokenizer("mistral_v3"), get_case(case))
+    )
+    env = _SystemPromptEnv(["q1", "q2", "end"])
+    harness = RolloutHarness.local(env, tok, max_turns=3)
+    ids = harness.reset()
+    system = [{"role": "system", "content": "Answer in one word."}]
+    expected = tok.apply_chat_template(
+        [*system, {"role": "user", "content": "q1"}], add_generation_prompt=True, tokenize=True
+    )
+    assert ids == list(getattr(expected, "input_ids", expected))
+    # the next turn goes on in the same conversation, the system message once at its head
+    harness.step([*tok.encode("a", add_special_tokens=False), tok.eos_token_id])
+    assert tok.decode(harness.context_ids).count("Answer in one word.") == 1
+    own = RolloutHarness.local(env, tok, max_turns=3, system_prompt="Be brief.")
+    text = tok.decode(own.reset())
+    assert "Be brief." in text
+    assert "Answer in one word." not in text

@@ -258,3 +258,35 @@ class SerialDoorEnv(DoorEnv):
         if observation:
             observation = f"{observation} {self.serial}"
         return (observation, *rest)  # type: ignore[return-value]
+
+
+def door_manifest(
+    model_dir: Path,
+    output_dir: Path,
+    env: str = "DoorEnv",
+    model: dict[str, Any] | None = None,
+    **training: Any,
+) -> Any:
+    """A GRPO manifest of 2 steps of 2 groups of 2 on one of the door envs above (a
+    ``RunManifest``), with ``training`` fields added or overridden."""
+    from agile_llmenvs.specs import RunManifest
+
+    return RunManifest.model_validate(
+        {
+            "name": "door",
+            "env": {"env_type": "rollout", "entrypoint": f"branch_envs:{env}", "max_turns": 3},
+            "model": {"path": str(model_dir), **(model or {})},
+            "training": {
+                "algorithm": "grpo",
+                "max_steps": 2,
+                "batch_size": 2,
+                "group_size": 2,
+                "max_new_tokens": 4,
+                "log_rollouts_every": 0,
+                "tensorboard": False,
+                "output_dir": str(output_dir),
+                **training,
+            },
+            "seed": 0,
+        }
+    )

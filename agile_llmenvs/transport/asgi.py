@@ -8,7 +8,8 @@ replies to any ASGI server: HTTP requests go to the same
 :class:`AsgiWebSocket` (an ASGI websocket dressed as the ``websockets`` connection the
 session code reads). Beside them, as OpenEnv's ``create_app`` does, ``GET /openapi.json``
 (OpenAPI 3.1, with the env's action, observation and state JSON schemas), ``/docs`` (Swagger
-UI) and ``/redoc``.
+UI) and ``/redoc``. ``mode="production"`` drops ``POST /reset``, ``/step`` and ``GET /state``,
+as OpenEnv's production mode does.
 
 No web framework is needed: the app is a plain ASGI callable.
 """
@@ -37,6 +38,7 @@ from agile_llmenvs.transport._openenv import (
     StepResponse,
 )
 from agile_llmenvs.transport.http import SERVER_ERROR, HttpRequest, HttpResponse
+from agile_llmenvs.transport.routes import ServerMode, server_mode
 from agile_llmenvs.transport.server import DEFAULT_MAX_SESSIONS, EnvLike, build_session_host
 from agile_llmenvs.transport.sessions import SessionHost
 from agile_llmenvs.transport.settings import ServerSettings
@@ -69,6 +71,7 @@ def create_asgi_app(
     action_cls: type | None = None,
     observation_cls: type | None = None,
     state_cls: type | None = None,
+    mode: ServerMode | str | None = None,
 ) -> AsgiApp:
     """An ASGI app serving ``env`` or ``make_env`` as :class:`OpenEnvServer` does.
 
@@ -83,14 +86,22 @@ def create_asgi_app(
     opens them loads from a CDN (:data:`SWAGGER_JS`, :data:`REDOC_JS`); the server itself
     makes no network call.
 
+    ``mode`` is OpenEnv's server mode: ``"simulation"`` serves every route above;
+    ``"production"`` drops the simulation controls ``POST /reset``, ``/step`` and
+    ``GET /state`` (404, as OpenEnv's ``register_routes(app, mode="production")`` does) and
+    keeps the rest, ``/ws`` sessions included. None reads ``OPENENV_MODE`` (default
+    ``"simulation"``), as ``create_app`` does.
+
     Run it with ``uvicorn module:app`` (``app = create_asgi_app(make_env=MyEnv)`` in
     ``module``); uvicorn's own WebSocket ping and size limits apply (``--ws-max-size``,
     ``--ws-ping-interval``), ``settings``' timeouts and message limit as on our server.
     The websockets-based :class:`OpenEnvServer` stays the faster way to serve.
 
     Raises:
-        ValueError, TypeError: as :class:`OpenEnvServer` does.
+        ValueError, TypeError: as :class:`OpenEnvServer` does; ValueError for a ``mode``
+            that is neither ``"simulation"`` nor ``"production"``.
     """
+    checked_mode = server_mode(mode)
     settings = settings or ServerSettings()
     host = build_session_host(
         env,
@@ -104,6 +115,7 @@ def create_asgi_app(
         state_cls=state_cls,
         owner="create_asgi_app",
     )
+    host.routes.mode = checked_mode
     return AsgiApp(host)
 
 
@@ -226,7 +238,9 @@ class AsgiApp:
         connect = await receive()
         if connect["type"] != "websocket.connect":
             return
-        if path != "/ws" or not self.host.authorized(headers.get("authorization", ""), query):
+        if path not in ("/ws", "/mcp") or not self.host.authorized(
+            headers.get("authorization", ""), query
+        ):
             # refused before the handshake: the ASGI server answers 403
             await send({"type": "websocket.close", "code": 1008})
             return
@@ -234,8 +248,11 @@ class AsgiApp:
         request = _Request(path + ("?" + raw_query if raw_query else ""), headers)
         ws = AsgiWebSocket(receive, send, request, scope.get("client"))
         try:
-            # the session code reads what AsgiWebSocket has of a websockets ServerConnection
-            await self.host.handle(cast(Any, ws))
+            if path == "/mcp":
+                await self.host.routes.serve_mcp_socket(ws)
+            else:
+                # the session code reads what AsgiWebSocket has of a websockets ServerConnection
+                await self.host.handle(cast(Any, ws))
         except ConnectionClosed:
             pass
         finally:
@@ -430,7 +447,7 @@ def openapi_document(host: SessionHost) -> dict[str, Any]:
             "description": f"`{host.env_name}`, served by agile_llmenvs. WebSocket sessions "
             "at `/ws` (OpenEnv's `reset`, `step`, `state`, `close` and `mcp` messages).",
         },
-        "paths": paths,
+        "paths": {path: ops for path, ops in paths.items() if host.routes.serves(path)},
         "components": {"schemas": schemas},
     }
 

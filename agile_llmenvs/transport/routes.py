@@ -4,22 +4,31 @@
 a fresh env that is closed afterwards: episodes persist only over ``/ws``, as in OpenEnv) and
 ``POST /mcp`` (MCP JSON-RPC, plus OpenEnv's ``openenv/session/create`` / ``close``, whose
 sessions a ``/ws?session_id=...`` connection attaches to: how OpenEnv's ``MCPToolClient``
-works). ``GET /sessions`` (live and allowed sessions) is ours. Every env these routes build
+works). A WebSocket at ``/mcp`` is one such session for its connection's life, taking bare
+JSON-RPC messages (OpenEnv's MCP socket: :meth:`HttpRoutes.serve_mcp_socket`).
+``GET /sessions`` (live and allowed sessions) is ours. Every env these routes build
 takes a slot of the server's one capacity; when it is full they answer 503.
+
+As OpenEnv's ``register_routes(app, mode=...)``, the routes have two modes: ``"simulation"``
+(all of the above) and ``"production"``, which drops the simulation controls ``POST /reset``,
+``/step`` and ``GET /state`` (404, as paths never served); ``/ws`` sessions are unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import json
+import os
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from agile_llmenvs.transport._openenv import (
     JsonRpcErrorCode,
@@ -36,7 +45,19 @@ from agile_llmenvs.transport.protocol import strict_json_loads, validation_error
 if TYPE_CHECKING:
     from agile_llmenvs.transport.sessions import SessionHost
 
-__all__ = ["AtCapacity", "HttpRoutes", "McpSession"]
+__all__ = [
+    "SIMULATION_PATHS",
+    "AtCapacity",
+    "HttpRoutes",
+    "McpSession",
+    "ServerMode",
+    "server_mode",
+]
+
+ServerMode = Literal["simulation", "production"]
+#: The routes production mode drops: they reset, step and read an env (OpenEnv's simulation
+#: controls); agents in production reach the env through MCP tools only.
+SIMULATION_PATHS = frozenset({"/reset", "/step", "/state"})
 
 _NOT_FOUND = HttpResponse(404, {"detail": "Not Found"})
 _METHOD_NOT_ALLOWED = HttpResponse(405, {"detail": "Method Not Allowed"})
@@ -66,15 +87,24 @@ class McpSession:
 class HttpRoutes:
     """Answers the plain HTTP requests of one :class:`SessionHost`."""
 
-    def __init__(self, host: SessionHost) -> None:
+    def __init__(self, host: SessionHost, mode: ServerMode = "simulation") -> None:
         self.host = host
+        self.mode: ServerMode = mode
         self.sessions: dict[str, McpSession] = {}
         self._metadata: dict[str, Any] | None = None
+        # the session id a plain /ws session answers openenv/session/create with
+        self._socket_ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+    def serves(self, path: str) -> bool:
+        """Whether ``path`` is a route in this mode (production drops :data:`SIMULATION_PATHS`)."""
+        return self.mode == "simulation" or path not in SIMULATION_PATHS
 
     # -- GET ---------------------------------------------------------------------------------
 
     async def get(self, path: str) -> HttpResponse:
         """The answer to ``GET path`` (any path but ``/ws``)."""
+        if not self.serves(path):
+            return _NOT_FOUND
         try:
             return await self._get(path)
         except AtCapacity as full:
@@ -107,8 +137,7 @@ class HttpRoutes:
         if path == "/state":
             if not host.owns_envs:
                 return _SHARED
-            state = await self._with_fresh_env(host.state)
-            return HttpResponse(200, state.model_dump(mode="json"))
+            return HttpResponse(200, await self._with_fresh_env(self._published_state))
         return _METHOD_NOT_ALLOWED if path in _POST_PATHS else _NOT_FOUND
 
     # -- POST --------------------------------------------------------------------------------
@@ -116,6 +145,8 @@ class HttpRoutes:
     async def post(self, request: HttpRequest) -> HttpResponse:
         """The answer to a non-``GET`` request."""
         path = request.path.rstrip("/") or "/"
+        if not self.serves(path):
+            return _NOT_FOUND
         routes = {"/reset": self._reset, "/step": self._step, "/mcp": self._mcp}
         answer = routes.get(path)
         if answer is None:
@@ -128,6 +159,16 @@ class HttpRoutes:
             return await answer(request)
         except AtCapacity as full:
             return HttpResponse(503, {"detail": str(full)})
+
+    async def _published_state(self, env: Any) -> Any:
+        """``env.state`` as ``create_app``'s ``GET /state`` gives it: serialised as the
+        published state class (FastAPI's ``response_model``), so fields only a subclass
+        declares are dropped. An env whose ``state`` is annotated with its own class keeps
+        them: that class is the one published."""
+        state = await self.host.state(env)
+        published = _adapter(self.host.types_of(env).state)
+        checked = published.validate_python(state, from_attributes=True)
+        return published.dump_python(checked, mode="json", by_alias=True)
 
     async def _reset(self, request: HttpRequest) -> HttpResponse:
         reset = _body_model(request, ResetRequest, default={})
@@ -176,8 +217,10 @@ class HttpRoutes:
         """The reply to one MCP JSON-RPC request: over HTTP (``env`` None), or within the
         ``/ws`` session of ``env``."""
         rid, params = request.id, request.params
+        if env is not None and session_id is None:
+            session_id = self._socket_id(env)
         if request.method == "openenv/session/create":
-            if env is not None and session_id is not None:
+            if session_id is not None:  # a socket's session is its own (idempotent)
                 return _ok({"session_id": session_id}, rid)
             return await self._create_session(rid)
         if request.method == "openenv/session/close":
@@ -213,6 +256,45 @@ class HttpRoutes:
             in_session=in_session,
             run=lambda call: host.env_calls.call_bounded(call, "call_tool"),
         )
+
+    def _socket_id(self, env: Any) -> str | None:
+        """The id of the plain ``/ws`` session over ``env``, made on first ask (as OpenEnv
+        gives every ``/ws`` session one)."""
+        try:
+            return self._socket_ids.setdefault(env, str(uuid.uuid4()))
+        except TypeError:  # an env that takes no weak reference
+            return None
+
+    async def serve_mcp_socket(self, ws: Any) -> None:
+        """Serve OpenEnv's ``/mcp`` WebSocket on ``ws`` (``recv``/``send`` as in
+        ``websockets``): a session of its own (as ``openenv/session/create`` makes) for the
+        connection's life, each text message a JSON-RPC request answered by its reply.
+
+        Full capacity or a failing env factory is answered with the JSON-RPC error
+        ``create`` gives, and the connection ends.
+        """
+        created = await self._create_session(None)
+        if "error" in created:
+            await ws.send(json.dumps(created))
+            return
+        session_id = created["result"]["session_id"]
+        session = self.attach(session_id)
+        try:
+            while True:
+                message = await ws.recv()
+                reply: Any
+                try:
+                    payload = strict_json_loads(message)
+                except ValueError as exc:
+                    reply = mcp_error(JsonRpcErrorCode.PARSE_ERROR, f"Parse error: {exc}")
+                else:
+                    request, reply = parse_rpc(payload)
+                    if reply is None:
+                        reply = await self.mcp(request, session.env, session_id)
+                await ws.send(json.dumps(reply))
+        finally:
+            session.closing = True
+            await self.detach(session_id)
 
     async def _create_session(self, rid: Any) -> Any:
         host = self.host
@@ -337,6 +419,37 @@ class HttpRoutes:
         finally:
             if host.owns_envs:
                 host.free_slot()
+
+
+def server_mode(mode: str | None = None) -> ServerMode:
+    """``mode`` checked (any case; OpenEnv's ``ServerMode`` too); None reads ``OPENENV_MODE``
+    (default ``"simulation"``), as OpenEnv's ``create_app`` does.
+
+    Raises:
+        ValueError: neither ``"simulation"`` nor ``"production"``.
+    """
+    if mode is None:
+        mode = os.environ.get("OPENENV_MODE", "simulation")
+    value = str(getattr(mode, "value", mode)).lower()
+    if value == "simulation":
+        return "simulation"
+    if value == "production":
+        return "production"
+    raise ValueError(
+        f"Invalid mode: {mode!r}; expected 'simulation' (all routes) or 'production' "
+        "(no /reset, /step or /state)"
+    )
+
+
+_ADAPTERS: dict[type, TypeAdapter[Any]] = {}
+
+
+def _adapter(model: type) -> TypeAdapter[Any]:
+    """``model``'s (cached) TypeAdapter: FastAPI's ``response_model`` serialisation."""
+    adapter = _ADAPTERS.get(model)
+    if adapter is None:
+        adapter = _ADAPTERS[model] = TypeAdapter(model)
+    return adapter
 
 
 class AtCapacity(Exception):

@@ -27,13 +27,12 @@ from typing import Any
 
 import pytest
 import yaml
-from branch_envs import DoorEnv, SerialDoorEnv, UnforkableDoorEnv
+from branch_envs import DoorEnv, SerialDoorEnv, UnforkableDoorEnv, door_manifest
 from pydantic import ValidationError
 from training.launch import TWO_PROCESSES, accelerate_launch
 
 from agile_llmenvs.llm_envs import RolloutCollector, RolloutHarness
 from agile_llmenvs.llm_envs.trajectory import RolloutBatch
-from agile_llmenvs.specs import RunManifest
 from agile_llmenvs.training import train_grpo
 from agile_llmenvs.training.credit import (
     anchor_key,
@@ -249,30 +248,6 @@ def test_anchor_keys_are_the_observation_ids_since_the_last_action(tokenizer: An
     assert "hall" in text
     assert "cell" not in text
     assert all(i in keys[0][1] for i in hall)
-
-
-def door_manifest(
-    model_dir: Path, output_dir: Path, env: str = "DoorEnv", **training: Any
-) -> RunManifest:
-    return RunManifest.model_validate(
-        {
-            "name": "door",
-            "env": {"env_type": "rollout", "entrypoint": f"branch_envs:{env}", "max_turns": 3},
-            "model": {"path": str(model_dir)},
-            "training": {
-                "algorithm": "grpo",
-                "max_steps": 2,
-                "batch_size": 2,
-                "group_size": 2,
-                "max_new_tokens": 4,
-                "log_rollouts_every": 0,
-                "tensorboard": False,
-                "output_dir": str(output_dir),
-                **training,
-            },
-            "seed": 0,
-        }
-    )
 
 
 def test_grpo_trains_with_turn_mc_and_logs_what_the_credit_cost(

@@ -2,22 +2,31 @@
 module's :func:`make` with a registry id such as ``game:GuessTheNumber-v0-easy``.
 
 GEM's word games (Wordle, Hangman, WordSearch) read the NLTK ``words`` corpus, and Wordle and
-Hangman call ``nltk.download`` in every constructor. :func:`make` checks the corpus first, so a
-missing one is a one-line :class:`~agile_llmenvs.errors.EnvBuildError` at build time naming the
-fix, and with the corpus installed their download call is skipped: building an env never
-reaches the network.
+Hangman call ``nltk.download`` in every constructor. :func:`make` checks the corpus first
+(:func:`check_nltk_corpora`), so a missing one is a one-line
+:class:`~agile_llmenvs.errors.EnvBuildError` at build time naming the fix, and with the corpus
+installed their download call is skipped: building an env never reaches the network. A
+manifest's ``factory: gem:make`` (GEM's own) is built by :func:`make` too
+(:func:`checked_factory`).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from agile_llmenvs.errors import EnvBuildError, OptionalDependencyError
 
-__all__ = ["GemTextEnv", "make", "nltk_corpora_needed"]
+__all__ = [
+    "GemTextEnv",
+    "check_nltk_corpora",
+    "checked_factory",
+    "make",
+    "nltk_corpora_needed",
+]
 
 NLTK_CORPORA: dict[str, tuple[str, ...]] = {
     "gem.envs.game_env.wordle": ("words",),
@@ -73,9 +82,7 @@ def make(env_id: str, **kwargs: Any) -> GemTextEnv:
         raise OptionalDependencyError(
             "gem-llm", extra="envs", feature=f"GEM env {env_id!r}"
         ) from exc
-    corpora = nltk_corpora_needed(env_id)
-    for corpus in corpora:
-        _require_nltk_corpus(env_id, corpus)
+    corpora = check_nltk_corpora(env_id)
     try:
         with _nltk_downloads_skipped(corpora):
             return GemTextEnv(gem.make(env_id, **kwargs))
@@ -86,6 +93,29 @@ def make(env_id: str, **kwargs: Any) -> GemTextEnv:
         raise OptionalDependencyError(missing, extra="envs", feature=f"GEM env {env_id!r}") from exc
     except Exception as exc:
         raise EnvBuildError(f"GEM could not build {env_id!r}: {type(exc).__name__}: {exc}") from exc
+
+
+def checked_factory(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """``factory``, or :func:`make` in place of GEM's own ``gem.make`` (what a manifest's
+    ``factory: gem:make`` loads), so that the NLTK corpus check and the skipped download apply
+    on that path too. Call it on every loaded ``factory:`` entrypoint; it imports nothing."""
+    gem = sys.modules.get("gem")
+    if gem is not None and factory is getattr(gem, "make", None):
+        return make
+    return factory
+
+
+def check_nltk_corpora(env_id: str) -> tuple[str, ...]:
+    """The NLTK corpora GEM env ``env_id`` loads when built, checked to be installed (where
+    ``NLTK_DATA`` and NLTK's default folders lead), without trying to download one.
+
+    Raises:
+        EnvBuildError: one is not installed; the one-line message names the fix.
+    """
+    corpora = nltk_corpora_needed(env_id)
+    for corpus in corpora:
+        _require_nltk_corpus(env_id, corpus)
+    return corpora
 
 
 def nltk_corpora_needed(env_id: str) -> tuple[str, ...]:

@@ -4,8 +4,8 @@ entrypoint.
 
 The policy plays one player (``player_id``, default 0). In a two-player game every other
 player is an *opponent*: a callable ``(observation_text) -> action_text`` played inside
-:meth:`TextArenaEnv.step` until it is the policy's turn again. Playing a second model as the
-opponent is not offered yet.
+:meth:`TextArenaEnv.step` until it is the policy's turn again, or a second model
+(:class:`ModelPlayer`): a backend config or any :class:`~agile_llmenvs.backends.Backend`.
 
 Three things TextArena does that a text env must not:
 
@@ -21,20 +21,26 @@ Three things TextArena does that a text env must not:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import json
 import math
 import random
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
-from agile_llmenvs.errors import EnvBuildError, OptionalDependencyError
+from agile_llmenvs.backends.types import Backend, SamplingParams
+from agile_llmenvs.errors import EnvBuildError, EnvExecutionError, OptionalDependencyError
 
-__all__ = ["FirstMovePlayer", "RandomMovePlayer", "TextArenaEnv", "make"]
+__all__ = ["FirstMovePlayer", "ModelPlayer", "RandomMovePlayer", "TextArenaEnv", "make"]
 
 Opponent = Callable[[str], str]
+
+DEFAULT_OPPONENT_SAMPLING: dict[str, Any] = {"max_tokens": 64, "temperature": 0.0}
+"""A model opponent's sampling unless its config's ``sampling`` says otherwise: greedy."""
 
 DEFAULT_MAX_TURNS = 100
 """The turn budget of a game that declares no turn limit (TicTacToe ends on its own)."""
@@ -42,6 +48,9 @@ DEFAULT_MAX_TURNS = 100
 _GLOBAL_RANDOM = threading.Lock()  # guards the swap of the global random state
 _MOVE = re.compile(r"\[[^\[\]\n]+\]")
 _GAME_ID = -1
+# backends built from an opponent config, one per config per process, each with its lock
+_SHARED: dict[str, tuple[Backend, threading.Lock]] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 def listed_moves(observation: str) -> list[str]:
@@ -75,6 +84,57 @@ class FirstMovePlayer:
     def __call__(self, observation: str) -> str:
         moves = listed_moves(observation)
         return moves[0] if moves else "[0]"
+
+
+class ModelPlayer:
+    """An opponent played by a generation backend: the game's messages to its seat are ``user``
+    messages of one conversation per episode, its replies (``assistant`` messages) its moves,
+    sent to the game as they are.
+
+    Generation is serialised on ``lock`` (one local backend shared by the envs of several
+    rollout threads generates one call at a time). A sampling (non-greedy) opponent draws
+    with the episode's seed, so a seeded episode replays.
+
+    Attributes:
+        moves: The moves it played this episode, in order.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        sampling: SamplingParams | None = None,
+        system_prompt: str = "",
+        lock: threading.Lock | None = None,
+    ) -> None:
+        self.backend = backend
+        self.sampling = sampling or SamplingParams(**DEFAULT_OPPONENT_SAMPLING)
+        self.system_prompt = system_prompt
+        self._lock = lock if lock is not None else threading.Lock()
+        self._seed: int | None = None
+        self._messages: list[dict[str, str]] = []
+        self.moves: list[str] = []
+        self.reset(None)
+
+    def reset(self, seed: int | None) -> None:
+        """Start a new episode's conversation (``seed`` seeds a sampling opponent)."""
+        self._seed = seed
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        self._messages = system
+        self.moves = []
+
+    def __call__(self, observation: str) -> str:
+        self._messages.append({"role": "user", "content": observation})
+        params = self.sampling
+        if self._seed is not None and not params.greedy:
+            params = dataclasses.replace(params, seed=self._seed + len(self.moves))
+        with self._lock:
+            completion = self.backend.generate_chat(list(self._messages), params)
+        if completion.finish_reason == "error":
+            raise EnvExecutionError(f"textarena: the opponent's backend failed: {completion.error}")
+        self._messages.append({"role": "assistant", "content": completion.text})
+        self.moves.append(completion.text)
+        return completion.text
 
 
 class TextArenaEnv:
@@ -148,7 +208,8 @@ class TextArenaEnv:
         return observation, reward, done, False, info
 
     def close(self) -> None:
-        """Nothing to release: the game holds no threads or files."""
+        """Nothing to release: the game holds no threads or files, and a model opponent's
+        backend built from a config is shared by the process's envs, living as long as it."""
 
     def _play_opponents(self) -> list[str]:
         moves = []
@@ -210,7 +271,7 @@ def _policy_turn_budget(game_turns: int | None, num_players: int, error_allowanc
 def make(
     env_id: str,
     *,
-    opponent: str | Opponent = "random",
+    opponent: str | Mapping[str, Any] | Backend | Opponent = "random",
     player_id: int = 0,
     num_players: int | None = None,
     max_turns: int | None = None,
@@ -223,7 +284,11 @@ def make(
         env_id: A TextArena registry id.
         opponent: Who plays the other seats: ``"random"`` (a random listed move, seeded by
             ``reset``), ``"first"`` (the first listed move), a ``"module:attr"`` callable (a
-            class is instantiated without arguments), or the callable itself.
+            class is instantiated without arguments), the callable itself, or a second model
+            (:class:`ModelPlayer`): a backend config mapping (``{backend, model, ...}`` as an
+            eval config's ``model``, plus optional ``sampling: {max_tokens, temperature,
+            ...}``, greedy and 64 tokens by default, and ``system_prompt``), built once per
+            process, or a :class:`~agile_llmenvs.backends.Backend`.
         player_id: The seat the policy plays.
         num_players: Players in the game; default the fewest it accepts (1, else 2).
         max_turns: Override the turn budget derived from the game.
@@ -233,7 +298,7 @@ def make(
     Raises:
         OptionalDependencyError: ``textarena`` is not installed.
         EnvBuildError: TextArena has no game ``env_id``, refuses ``kwargs`` or ``num_players``,
-            or ``opponent`` names nothing callable.
+            or ``opponent`` names nothing callable or is an invalid backend config.
     """
     try:
         import textarena
@@ -290,9 +355,18 @@ def _fewest_players(game: Any, env_id: str) -> int:
     )
 
 
-def _opponent(opponent: str | Opponent) -> Opponent:
+def _opponent(opponent: str | Mapping[str, Any] | Backend | Opponent) -> Opponent:
+    if isinstance(opponent, Mapping):
+        return _model_player(dict(opponent))
+    if hasattr(opponent, "generate_chat"):  # a Backend, built by the user
+        return ModelPlayer(cast(Backend, opponent))
     if callable(opponent):
         return opponent
+    if not isinstance(opponent, str):
+        raise EnvBuildError(
+            "opponent must be 'random', 'first', a 'module:attr' callable, a backend config or "
+            f"a Backend, got {type(opponent).__name__}"
+        )
     if opponent == "random":
         return RandomMovePlayer()
     if opponent == "first":
@@ -309,3 +383,26 @@ def _opponent(opponent: str | Opponent) -> Opponent:
             f"opponent must be 'random', 'first' or a 'module:attr' callable, got {opponent!r}"
         )
     return found
+
+
+def _model_player(config: dict[str, Any]) -> ModelPlayer:
+    """The opponent a backend config describes; the backend is built once per process (every
+    rollout slot's env builds its opponent, and a local model is loaded only once)."""
+    from agile_llmenvs.config.factories import BackendFactory
+    from agile_llmenvs.config.models import ModelConfig
+
+    try:
+        sampling = SamplingParams(**{**DEFAULT_OPPONENT_SAMPLING, **config.pop("sampling", {})})
+    except (TypeError, ValueError) as exc:
+        raise EnvBuildError(f"textarena: env_config.opponent.sampling: {exc}") from exc
+    system_prompt = str(config.pop("system_prompt", ""))
+    key = json.dumps(config, sort_keys=True, default=str)
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            try:
+                model_config = ModelConfig(**config)
+            except ValueError as exc:
+                raise EnvBuildError(f"textarena: env_config.opponent: {exc}") from exc
+            _SHARED[key] = (BackendFactory.create(model_config), threading.Lock())
+        backend, lock = _SHARED[key]
+    return ModelPlayer(backend, sampling=sampling, system_prompt=system_prompt, lock=lock)

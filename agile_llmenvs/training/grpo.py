@@ -165,7 +165,7 @@ def _train(
             GRPO_METRICS,
             resume_step=run.start_step if resume else None,
             tensorboard=tensorboard_setting(config),
-            trackers=open_trackers(config, output_dir),
+            trackers=open_trackers(config, output_dir, resume=resume),
         )
         rollouts = RolloutLog(
             output_dir / ROLLOUTS_FILE,

@@ -100,6 +100,7 @@ _RUN_FILES = (
     EVAL_CONFIG,
     "wandb",  # training.report_to's W&B runs and MLflow file store
     "mlruns",
+    "trackers.json",  # their run ids, for a resume to continue them
 )
 _CHECKPOINT_ENTRY = re.compile(rf"^{CHECKPOINT_PREFIX}\d+(\.partial|\.stale)?$")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")

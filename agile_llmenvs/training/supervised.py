@@ -171,7 +171,7 @@ def _train(
             metric_keys,
             resume_step=start_step if resume else None,
             tensorboard=tensorboard_setting(config),
-            trackers=open_trackers(config, output_dir),
+            trackers=open_trackers(config, output_dir, resume=resume),
         )
 
     history: list[dict[str, float]] = []

@@ -5,11 +5,15 @@ TensorBoard is not among them: :class:`~agile_llmenvs.training.metrics.MetricsWr
 its scalars itself (one path for ``training.tensorboard`` and ``report_to: [tensorboard]``).
 W&B, MLflow and Trackio get every metric under its own key and, where TRL names the same
 quantity differently, under TRL's key too (:data:`TRL_NAMES`), so TRL dashboards carry over.
+
+A run stores each tracker's run id in its folder (:data:`TRACKER_IDS`); a resumed run continues
+those runs (the same W&B run, the same MLflow run) instead of starting new ones.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -22,7 +26,15 @@ import yaml
 from agile_llmenvs.errors import OptionalDependencyError
 from agile_llmenvs.specs.manifest import TrainingSpec
 
-__all__ = ["PROJECT", "TRACKERS", "TRL_NAMES", "Trackers", "open_trackers", "tensorboard_setting"]
+__all__ = [
+    "PROJECT",
+    "TRACKERS",
+    "TRACKER_IDS",
+    "TRL_NAMES",
+    "Trackers",
+    "open_trackers",
+    "tensorboard_setting",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +53,9 @@ TRL_NAMES: dict[str, str] = {
     "eval_reward_mean": "eval_reward",
     "accuracy": "rewards/accuracies",
 }
+#: The file in a run's folder that holds each tracker's run id (``{"wandb": id, "mlflow":
+#: run_id}``), for a resumed run to continue them.
+TRACKER_IDS = "trackers.json"
 # Each tracker's import name, and how it installs.
 _PACKAGES = {
     "wandb": ("wandb", "trackers"),
@@ -80,19 +95,28 @@ class Trackers:
             tracker.finish()
 
 
-def open_trackers(config: TrainingSpec, output_dir: Path) -> Trackers | None:
+def open_trackers(
+    config: TrainingSpec, output_dir: Path, *, resume: bool = False
+) -> Trackers | None:
     """Start the trackers ``config.report_to`` names (but TensorBoard), named
     ``config.run_name`` (default: the manifest's ``name``, else the folder's); ``None``
-    without any. Call on the main process only.
+    without any. Call on the main process only, before the metrics file is opened.
 
     W&B runs offline unless ``WANDB_MODE`` says otherwise or ``WANDB_API_KEY`` is set (no
     network call a run did not ask for; ``wandb sync output_dir/wandb/offline-run-*``
-    uploads later). MLflow logs to a file store, ``output_dir/mlruns``, unless
-    ``MLFLOW_TRACKING_URI`` is set.
+    uploads later, a resumed run's folders into the same run). MLflow logs to a file store,
+    ``output_dir/mlruns``, unless ``MLFLOW_TRACKING_URI`` is set.
+
+    Each tracker's run id is stored in ``output_dir/trackers.json``. With ``resume`` (the
+    run continues from a checkpoint) the stored runs are continued: W&B's with
+    ``resume="allow"``, MLflow's by its run id; a fresh start removes ids a replaced run left.
 
     Raises:
         OptionalDependencyError: a tracker's package is not installed.
     """
+    resuming = resume
+    if not resuming:  # ids an overwritten run left are not this run's
+        (output_dir / TRACKER_IDS).unlink(missing_ok=True)
     wanted = [name for name in config.report_to if name != "tensorboard"]
     if not wanted:
         return None
@@ -103,19 +127,24 @@ def open_trackers(config: TrainingSpec, output_dir: Path) -> Trackers | None:
                 module, extra=extra, feature=f"training.report_to: {name}"
             )
     run_name = config.run_name or _manifest_name(output_dir) or output_dir.name
+    run_ids = _stored_run_ids(output_dir) if resuming else {}
     started = []
     try:
         for name in wanted:
-            tracker = _make_tracker(name, run_name, output_dir)
+            tracker = _make_tracker(name, run_name, output_dir, run_ids.get(name))
             tracker.start()
             started.append(tracker)
+            run_id = _run_id(name, tracker)
+            if run_id is not None:
+                run_ids[name] = run_id
     except BaseException:
         Trackers(started).finish()
         raise
+    _store_run_ids(output_dir, run_ids)
     return Trackers(started)
 
 
-def _make_tracker(name: str, run_name: str, output_dir: Path) -> Any:
+def _make_tracker(name: str, run_name: str, output_dir: Path, run_id: str | None) -> Any:
     from accelerate.tracking import MLflowTracker, TrackioTracker, WandBTracker
 
     if name == "wandb":
@@ -123,8 +152,9 @@ def _make_tracker(name: str, run_name: str, output_dir: Path) -> Any:
             "online" if os.environ.get("WANDB_API_KEY") else "offline"
         )
         project = os.environ.get("WANDB_PROJECT", PROJECT)
+        resume: dict[str, str] = {"id": run_id, "resume": "allow"} if run_id else {}
         # accelerate passes its first argument to wandb.init as the project
-        return WandBTracker(project, name=run_name, dir=str(output_dir), mode=mode)
+        return WandBTracker(project, name=run_name, dir=str(output_dir), mode=mode, **resume)
     if name == "mlflow":
         if not os.environ.get("MLFLOW_TRACKING_URI"):
             import mlflow
@@ -133,9 +163,37 @@ def _make_tracker(name: str, run_name: str, output_dir: Path) -> Any:
             # which needs the full mlflow package); a user's own setting stands
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_tracking_uri((output_dir / "mlruns").resolve().as_uri())
-        return MLflowTracker(experiment_name=PROJECT, run_name=run_name)
+        return MLflowTracker(experiment_name=PROJECT, run_name=run_name, run_id=run_id)
     project = os.environ.get("TRACKIO_PROJECT", PROJECT)
     return TrackioTracker(project, name=run_name)
+
+
+def _run_id(name: str, tracker: Any) -> str | None:
+    """The id of the run ``tracker`` started (None for Trackio, which is not resumed)."""
+    if name == "wandb":
+        return str(tracker.run.id)
+    if name == "mlflow":
+        return str(tracker.active_run.info.run_id)
+    return None
+
+
+def _stored_run_ids(output_dir: Path) -> dict[str, str]:
+    """The run ids :data:`TRACKER_IDS` holds; none when it is missing or unreadable (the
+    trackers then start new runs, as on a run's first start)."""
+    try:
+        stored = json.loads((output_dir / TRACKER_IDS).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(stored, dict):
+        return {}
+    return {k: v for k, v in stored.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def _store_run_ids(output_dir: Path, run_ids: Mapping[str, str]) -> None:
+    path = output_dir / TRACKER_IDS
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(dict(run_ids), indent=2, sort_keys=True) + "\n", "utf-8")
+    partial.replace(path)  # whole or not at all: a resume never reads half a file
 
 
 def _manifest_name(output_dir: Path) -> str | None:

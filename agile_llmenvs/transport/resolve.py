@@ -107,7 +107,9 @@ def env_factory(
     """
     kwargs = dict(env_config or {})
     if factory is not None:
-        make = load_entrypoint(factory, field="env.factory")
+        from agile_llmenvs.adapters.gem import checked_factory  # GEM's own make: its checks
+
+        make = checked_factory(load_entrypoint(factory, field="env.factory"))
         if not callable(make):
             raise ImportPathError(f"factory {factory!r} is not callable")
         return lambda: make(entrypoint, **kwargs)

@@ -111,3 +111,32 @@ def test_a_math_env_without_pylatexenc_names_the_extra(monkeypatch: pytest.Monke
         "The package 'pylatexenc' is needed for GEM env 'math:GSM8K' but is not installed; "
         'run: pip install "agile-llmenvs[envs]"'
     )
+
+
+def test_gems_own_factory_is_checked_too_without_a_download(
+    tokenizer: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    network_attempts: list[str],
+) -> None:
+    """``factory: gem:make`` (manifests/rollout_entrypoint.yaml's) builds through the adapter:
+    the same one-line error, and ``nltk.download`` never called."""
+    import gem
+
+    from agile_llmenvs.adapters.gem import checked_factory, make
+
+    nltk_data_at(monkeypatch, tmp_path)
+    downloads: list[Any] = []
+    monkeypatch.setattr(nltk, "download", lambda *a, **k: downloads.append(a))
+    own = LLMEnvSpec(env_type="rollout", entrypoint="game:Wordle-v0-easy", factory="gem:make")
+    with pytest.raises(EnvBuildError) as raised:
+        make_rollout_env_factory(own, tokenizer)
+    assert str(raised.value) == (
+        "game:Wordle-v0-easy needs the NLTK corpus 'words', which is not installed: run python -m "
+        "nltk.downloader words, or set NLTK_DATA to a folder that holds it"
+    )
+    assert downloads == []
+    assert network_attempts == []
+    assert checked_factory(gem.make) is make
+    assert checked_factory(make) is make
+    assert checked_factory(print) is print

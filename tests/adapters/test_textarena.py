@@ -240,3 +240,84 @@ def test_unseeded_resets_play_different_games() -> None:
         env.reset()
         targets.add(env.game.state.game_state["game_number"])
     assert len(targets) > 1  # all ten alike: once in 20**9
+
+
+def model_opponent(tiny_model_dir: Path) -> dict[str, Any]:
+    return {
+        "backend": "huggingface",
+        "model": str(tiny_model_dir),
+        "sampling": {"max_tokens": 6},
+        "system_prompt": "You play Tic Tac Toe. Answer with a move such as [4].",
+    }
+
+
+def test_a_second_model_plays_the_opponent_from_the_manifest(tiny_model_dir: Path) -> None:
+    """The opponent's moves are the tiny model's greedy replies to its own side of the game:
+    the text a fresh backend generates for the conversation the opponent was shown."""
+    from agile_llmenvs.adapters.textarena import ModelPlayer
+    from agile_llmenvs.backends import HFBackend, SamplingParams
+    from agile_llmenvs.transport.resolve import env_factory
+
+    before = set(threading.enumerate())
+    game = spec("TicTacToe-v0", opponent=model_opponent(tiny_model_dir))
+    assert game.entrypoint is not None
+    make_env = env_factory(game.entrypoint, game.env_config, factory=game.factory)
+    env = make_env()
+    opponent = env.opponent
+    assert isinstance(opponent, ModelPlayer)
+    assert opponent.sampling == SamplingParams(max_tokens=6, temperature=0.0)
+    env.reset(seed=0)
+    played, steps = [], []
+    for move in ("[4]", "[0]", "[2]", "[6]", "[8]", "[1]", "[3]", "[5]", "[7]"):
+        steps.append(env.step(move))
+        played.extend(steps[-1][4]["opponent_moves"])
+        if steps[-1][2]:
+            break
+    assert steps[-1][2]  # the game ended, and paid the policy on its last step
+    assert steps[-1][1] == 1.0  # the random tiny model writes no move: two invalid ones forfeit
+    assert [s[1] for s in steps[:-1]] == [0.0] * (len(steps) - 1)
+    shown = list(opponent._messages)
+    assert played
+    assert played == opponent.moves
+    assert [m["content"] for m in shown if m["role"] == "assistant"] == played
+    assert shown[0] == {
+        "role": "system",
+        "content": model_opponent(tiny_model_dir)["system_prompt"],
+    }
+    assert "Current Board" in shown[1]["content"]
+    env.close()
+    assert make_env().opponent.backend is opponent.backend  # built once per process
+
+    backend = HFBackend(tiny_model_dir)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    for turn, move in enumerate(played):  # the system prompt, then each board and reply
+        assert backend.generate_chat(shown[: 2 + 2 * turn], greedy).text == move
+    backend.close()
+    assert set(threading.enumerate()) <= before
+
+
+def test_a_backend_object_plays_the_opponent() -> None:
+    from agile_llmenvs.backends import Completion, SamplingParams
+
+    class Echo:
+        """A Backend that plays the last cell the game lists; it records what it was asked."""
+
+        def __init__(self) -> None:
+            self.asked: list[Any] = []
+
+        def generate_chat(self, messages: Any, params: Any) -> Completion:
+            self.asked.append((list(messages), params))
+            return Completion(text=re.findall(r"\[\d\]", messages[-1]["content"])[-1])
+
+        def close(self) -> None:
+            pass
+
+    backend = Echo()
+    env = make("TicTacToe-v0", opponent=backend)
+    env.reset(seed=0)
+    observation, *_, step_info = env.step("[4]")
+    assert step_info["opponent_moves"] == ["[8]"]  # the last free cell after the policy's 4
+    ((messages, params),) = backend.asked
+    assert [m["role"] for m in messages] == ["user"]
+    assert params == SamplingParams(max_tokens=64, temperature=0.0)
+    assert "[Player 1] [8]" in observation

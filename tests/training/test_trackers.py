@@ -18,7 +18,7 @@ from agile_llmenvs.errors import OptionalDependencyError
 from agile_llmenvs.specs import RunManifest, TrainingSpec
 from agile_llmenvs.training import train_dpo, train_grpo
 from agile_llmenvs.training.metrics import read_metrics
-from agile_llmenvs.training.trackers import PROJECT, TRL_NAMES, open_trackers
+from agile_llmenvs.training.trackers import PROJECT, TRACKER_IDS, TRL_NAMES, open_trackers
 from agile_llmenvs.validation import check_run_manifest
 
 _WANDB_BLOCK = 32768  # the .wandb file: LevelDB's log format, records in 32 KiB blocks
@@ -47,20 +47,29 @@ def _wandb_records(path: Path) -> list[Any]:
     return records
 
 
+def _wandb_runs(output_dir: Path) -> list[tuple[str, str, dict[int, dict[str, float]]]]:
+    """Each offline run folder's run id, name and history by ``_step``, oldest first."""
+    runs = []
+    for path in sorted(output_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        run_id, name, history = "", "", {}
+        for record in _wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                run_id, name = record.run.run_id, record.run.display_name
+            elif kind == "history":
+                items = {  # a key with a slash comes as its parts
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                    for item in record.history.item
+                }
+                step = items["_step"]
+                history[step] = {k: v for k, v in items.items() if not k.startswith("_")}
+        runs.append((run_id, name, history))
+    return runs
+
+
 def _wandb_run(output_dir: Path) -> tuple[str, dict[int, dict[str, float]]]:
-    """The offline run's name and its history, by ``_step``."""
-    (path,) = output_dir.glob("wandb/offline-run-*/run-*.wandb")
-    name, history = "", {}
-    for record in _wandb_records(path):
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            name = record.run.display_name
-        elif kind == "history":
-            items = {  # a key with a slash comes as its parts
-                item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                for item in record.history.item
-            }
-            history[items["_step"]] = {k: v for k, v in items.items() if not k.startswith("_")}
+    """The one offline run's name and its history, by ``_step``."""
+    ((_, name, history),) = _wandb_runs(output_dir)
     return name, history
 
 
@@ -155,6 +164,80 @@ def test_run_name_names_the_runs_and_tensorboard_is_one_path(
     events = list((result.output_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1  # the one SummaryWriter training.tensorboard has always had
     assert not (result.output_dir / "mlruns").exists()
+
+
+@pytest.mark.usefixtures("offline_trackers")
+def test_a_resumed_run_continues_the_same_wandb_and_mlflow_runs(
+    make_manifest: Callable[..., RunManifest],
+) -> None:
+    pytest.importorskip("wandb")
+    mlflow = pytest.importorskip("mlflow")
+    settings = {"batch_size": 2, "group_size": 2, "max_new_tokens": 3}
+    settings["report_to"] = ["wandb", "mlflow"]
+    first = train_grpo(make_manifest("quickstart.yaml", max_steps=2, **settings))
+    stored = json.loads((first.output_dir / TRACKER_IDS).read_text(encoding="utf-8"))
+    resumed = train_grpo(make_manifest("quickstart.yaml", max_steps=3, **settings), resume=True)
+    assert [row["step"] for row in resumed.metrics] == [3.0]
+    assert json.loads((first.output_dir / TRACKER_IDS).read_text(encoding="utf-8")) == stored
+    rows = read_metrics(first.output_dir / "metrics.csv")
+
+    # offline, W&B writes a folder per start; `wandb sync` uploads both into the one run
+    runs = _wandb_runs(first.output_dir)
+    assert [(run_id, name, sorted(history)) for run_id, name, history in runs] == [
+        (stored["wandb"], "quickstart", [1, 2]),
+        (stored["wandb"], "quickstart", [3]),
+    ]
+    history = runs[0][2] | runs[1][2]
+    for row in rows:
+        assert history[int(row["step"])] == pytest.approx(_expected(row), rel=1e-5)
+
+    client = mlflow.tracking.MlflowClient(
+        tracking_uri=(first.output_dir / "mlruns").resolve().as_uri()
+    )
+    (run,) = client.search_runs([client.get_experiment_by_name(PROJECT).experiment_id])
+    assert run.info.run_id == stored["mlflow"]
+    assert run.info.status == "FINISHED"
+    for key in ("loss", "reward_mean", "reward"):
+        logged = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+        assert [step for step, _ in logged] == [1, 2, 3], key
+        assert [value for _, value in logged] == pytest.approx(
+            [_expected(row)[key] for row in rows], rel=1e-5
+        )
+
+
+def test_a_fresh_start_does_not_continue_stored_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without ``resume`` (a first start, or an overwrite) the stored ids are not reused:
+    the runs are new, and their ids replace the stored ones."""
+    started: list[tuple[str, str | None]] = []
+
+    class Tracker:
+        def __init__(self, name: str, run_id: str | None) -> None:
+            self.name, self.given = name, run_id
+
+        def start(self) -> None:
+            started.append((self.name, self.given))
+
+    from agile_llmenvs.training import trackers
+
+    monkeypatch.setattr(
+        trackers, "_make_tracker", lambda name, _, __, run_id: Tracker(name, run_id)
+    )
+    monkeypatch.setattr(trackers, "_run_id", lambda name, tracker: tracker.given or f"new-{name}")
+    (tmp_path / TRACKER_IDS).write_text('{"wandb": "old-w", "mlflow": "old-m"}', "utf-8")
+    config = TrainingSpec.model_validate({"algorithm": "grpo", "report_to": ["wandb", "mlflow"]})
+    open_trackers(config, tmp_path)
+    assert started == [("wandb", None), ("mlflow", None)]
+    assert json.loads((tmp_path / TRACKER_IDS).read_text("utf-8")) == {
+        "mlflow": "new-mlflow",
+        "wandb": "new-wandb",
+    }
+    open_trackers(config, tmp_path, resume=True)
+    assert started[2:] == [("wandb", "new-wandb"), ("mlflow", "new-mlflow")]
+    # a fresh start (or an overwrite) without trackers: the ids go too
+    assert open_trackers(TrainingSpec.model_validate({"algorithm": "grpo"}), tmp_path) is None
+    assert not (tmp_path / TRACKER_IDS).exists()
 
 
 def test_report_to_names_known_trackers_once() -> None:

@@ -84,6 +84,7 @@ def _serve_env(args: argparse.Namespace) -> int:
         max_concurrent_envs=args.max_concurrent_envs or sessions or SERVE_SESSIONS,
         advertise_host=args.advertise_host,
         token=args.token,
+        mode=args.mode,
     )
     url = server.url
     stop = threading.Event()
@@ -251,6 +252,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--advertise-host", help="host clients should dial, if not --host")
     serve.add_argument("--token", help="shared secret clients must present (Authorization: Bearer)")
+    serve.add_argument(
+        "--mode",
+        choices=("simulation", "production"),
+        default=None,
+        help="OpenEnv's server mode: simulation serves every route; production drops the "
+        "simulation controls POST /reset, POST /step and GET /state (404) and keeps /ws "
+        "sessions, /mcp, /health, /metadata and /schema (default: $OPENENV_MODE, else "
+        "simulation)",
+    )
     serve.set_defaults(run=_serve)
     from agile_llmenvs.evaluation.command import register as register_eval
 

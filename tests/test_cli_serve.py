@@ -124,6 +124,28 @@ def test_serves_a_file_entrypoint(project: Path) -> None:
         assert client.step("7").reward == 1.0
 
 
+def test_production_mode_drops_the_http_episode_routes_and_keeps_sessions(
+    project: Path,
+) -> None:
+    import urllib.error
+    import urllib.request
+
+    args = ("envs/guess.py:GuessEnv", "--env-config", '{"secret": 7}', "--mode", "production")
+    with _served(*args, cwd=project) as url:
+        for method, path in [("POST", "/reset"), ("POST", "/step"), ("GET", "/state")]:
+            request = urllib.request.Request(url + path, data=b"{}", method=method)
+            if method == "GET":
+                request = urllib.request.Request(url + path)
+            with pytest.raises(urllib.error.HTTPError) as missing:
+                urllib.request.urlopen(request, timeout=10)
+            assert missing.value.code == 404, path
+        with urllib.request.urlopen(url + "/health", timeout=10) as health:
+            assert health.status == 200
+        with RemoteEnvClient(url, timeout_s=30) as client:
+            client.reset()
+            assert client.step("7").reward == 1.0
+
+
 def test_the_console_script_serves_a_module_of_the_working_directory(tmp_path: Path) -> None:
     (tmp_path / "cwd_guess.py").write_text(GUESS_ENV)
     args = ("cwd_guess:GuessEnv", "--env-config", '{"secret": 4}')
@@ -272,6 +294,23 @@ def test_serve_warns_when_it_listens_beyond_loopback_without_a_token(
     assert _RecordedServer.built["max_concurrent_envs"] == 8  # one GRPO group of 8
 
 
+def test_serve_passes_the_mode_and_refuses_an_unknown_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import agile_llmenvs.transport.server
+
+    monkeypatch.setattr(agile_llmenvs.transport.server, "OpenEnvServer", _RecordedServer)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    assert main(["serve", "echo_envs:EchoEnv"]) == 1
+    assert _RecordedServer.built["mode"] is None  # the server reads OPENENV_MODE
+    assert main(["serve", "echo_envs:EchoEnv", "--mode", "production"]) == 1
+    assert _RecordedServer.built["mode"] == "production"
+    with pytest.raises(SystemExit) as refused:
+        main(["serve", "echo_envs:EchoEnv", "--mode", "staging"])
+    assert refused.value.code == 2
+    assert "invalid choice: 'staging'" in capsys.readouterr().err
+
+
 def test_serve_help_says_the_default_capacity_suits_a_grpo_group(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -279,3 +318,7 @@ def test_serve_help_says_the_default_capacity_suits_a_grpo_group(
         main(["serve", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "else 8: one GRPO group of the default group_size" in help_text
+    assert (
+        "production drops the simulation controls POST /reset, POST /step and GET /state (404)"
+        in help_text
+    )

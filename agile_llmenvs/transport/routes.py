@@ -4,8 +4,9 @@
 a fresh env that is closed afterwards: episodes persist only over ``/ws``, as in OpenEnv) and
 ``POST /mcp`` (MCP JSON-RPC, plus OpenEnv's ``openenv/session/create`` / ``close``, whose
 sessions a ``/ws?session_id=...`` connection attaches to: how OpenEnv's ``MCPToolClient``
-works). A WebSocket at ``/mcp`` is one such session for its connection's life, taking bare
-JSON-RPC messages (OpenEnv's MCP socket: :meth:`HttpRoutes.serve_mcp_socket`).
+works; they are :class:`~agile_llmenvs.transport.mcp_sessions.McpSessions`). A WebSocket at
+``/mcp`` is one such session for its connection's life, taking bare JSON-RPC messages
+(OpenEnv's MCP socket: :meth:`HttpRoutes.serve_mcp_socket`).
 ``GET /sessions`` (live and allowed sessions) is ours. Every env these routes build
 takes a slot of the server's one capacity; when it is full they answer 503.
 
@@ -16,16 +17,9 @@ As OpenEnv's ``register_routes(app, mode=...)``, the routes have two modes: ``"s
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import json
 import os
-import time
-import uuid
-import weakref
 from collections.abc import Callable
-from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
@@ -40,6 +34,7 @@ from agile_llmenvs.transport._openenv import (
 )
 from agile_llmenvs.transport.http import SERVER_ERROR, HttpRequest, HttpResponse
 from agile_llmenvs.transport.mcp import mcp_error, mcp_reply, parse_rpc
+from agile_llmenvs.transport.mcp_sessions import McpSessions
 from agile_llmenvs.transport.protocol import strict_json_loads, validation_errors
 
 if TYPE_CHECKING:
@@ -49,7 +44,6 @@ __all__ = [
     "SIMULATION_PATHS",
     "AtCapacity",
     "HttpRoutes",
-    "McpSession",
     "ServerMode",
     "server_mode",
 ]
@@ -73,27 +67,14 @@ _GET_PATHS = frozenset({"/health", "/metadata", "/schema", "/state", "/sessions"
 _POST_PATHS = frozenset({"/reset", "/step", "/mcp"})
 
 
-@dataclass
-class McpSession:
-    """An env session made by ``openenv/session/create``, alive until its close."""
-
-    env: Any
-    stack: AsyncExitStack
-    last_used: float = field(default_factory=time.monotonic)
-    attached: bool = False
-    closing: bool = False
-
-
 class HttpRoutes:
     """Answers the plain HTTP requests of one :class:`SessionHost`."""
 
     def __init__(self, host: SessionHost, mode: ServerMode = "simulation") -> None:
         self.host = host
         self.mode: ServerMode = mode
-        self.sessions: dict[str, McpSession] = {}
+        self.mcp_sessions = McpSessions(host)
         self._metadata: dict[str, Any] | None = None
-        # the session id a plain /ws session answers openenv/session/create with
-        self._socket_ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
     def serves(self, path: str) -> bool:
         """Whether ``path`` is a route in this mode (production drops :data:`SIMULATION_PATHS`)."""
@@ -215,24 +196,22 @@ class HttpRoutes:
 
     async def mcp(self, request: Any, env: Any = None, session_id: str | None = None) -> Any:
         """The reply to one MCP JSON-RPC request: over HTTP (``env`` None), or within the
-        ``/ws`` session of ``env``."""
+        session ``session_id`` (a ``/ws`` or ``/mcp`` connection's) over ``env``."""
         rid, params = request.id, request.params
-        if env is not None and session_id is None:
-            session_id = self._socket_id(env)
+        sessions = self.mcp_sessions
         if request.method == "openenv/session/create":
-            if session_id is not None:  # a socket's session is its own (idempotent)
+            if session_id is not None:  # a connection's session is its own (idempotent)
                 return _ok({"session_id": session_id}, rid)
-            return await self._create_session(rid)
+            return await sessions.create(rid)
         if request.method == "openenv/session/close":
-            return await self._close_session(params.get("session_id"), session_id, rid)
+            return await sessions.close(params.get("session_id"), session_id, rid)
         wanted = params.get("session_id")
         if env is None and wanted:
-            session = self.sessions.get(wanted)
+            session = sessions.used(wanted)
             if session is None:
                 return mcp_error(
                     JsonRpcErrorCode.INVALID_PARAMS, f"Unknown session_id: {wanted}", rid
                 )
-            session.last_used = time.monotonic()
             env = session.env
         elif env is None:  # a one-off env, as for /reset
             try:
@@ -257,143 +236,10 @@ class HttpRoutes:
             run=lambda call: host.env_calls.call_bounded(call, "call_tool"),
         )
 
-    def _socket_id(self, env: Any) -> str | None:
-        """The id of the plain ``/ws`` session over ``env``, made on first ask (as OpenEnv
-        gives every ``/ws`` session one)."""
-        try:
-            return self._socket_ids.setdefault(env, str(uuid.uuid4()))
-        except TypeError:  # an env that takes no weak reference
-            return None
-
     async def serve_mcp_socket(self, ws: Any) -> None:
-        """Serve OpenEnv's ``/mcp`` WebSocket on ``ws`` (``recv``/``send`` as in
-        ``websockets``): a session of its own (as ``openenv/session/create`` makes) for the
-        connection's life, each text message a JSON-RPC request answered by its reply.
-
-        Full capacity or a failing env factory is answered with the JSON-RPC error
-        ``create`` gives, and the connection ends.
-        """
-        created = await self._create_session(None)
-        if "error" in created:
-            await ws.send(json.dumps(created))
-            return
-        session_id = created["result"]["session_id"]
-        session = self.attach(session_id)
-        try:
-            while True:
-                message = await ws.recv()
-                reply: Any
-                try:
-                    payload = strict_json_loads(message)
-                except ValueError as exc:
-                    reply = mcp_error(JsonRpcErrorCode.PARSE_ERROR, f"Parse error: {exc}")
-                else:
-                    request, reply = parse_rpc(payload)
-                    if reply is None:
-                        reply = await self.mcp(request, session.env, session_id)
-                await ws.send(json.dumps(reply))
-        finally:
-            session.closing = True
-            await self.detach(session_id)
-
-    async def _create_session(self, rid: Any) -> Any:
-        host = self.host
-        await self.reap_idle()
-        if not await host.take_slot():
-            return mcp_error(
-                JsonRpcErrorCode.SERVER_ERROR,
-                host.capacity_message(),
-                rid,
-                data={"active_sessions": host.active_sessions, "max_sessions": host.max_sessions},
-            )
-        try:
-            env = await host.build_env()
-        except Exception as exc:
-            host.free_slot()
-            return mcp_error(JsonRpcErrorCode.SERVER_ERROR, f"env factory failed: {exc}", rid)
-        stack = AsyncExitStack()
-        try:
-            await open_mcp_session(env, stack)
-        except Exception as exc:
-            await stack.aclose()
-            await host.close_env(env)
-            host.free_slot()
-            return mcp_error(JsonRpcErrorCode.SERVER_ERROR, str(exc), rid)
-        session_id = str(uuid.uuid4())
-        self.sessions[session_id] = McpSession(env, stack)
-        return _ok({"session_id": session_id}, rid)
-
-    async def _close_session(self, wanted: Any, own: str | None, rid: Any) -> Any:
-        if not wanted:
-            return mcp_error(
-                JsonRpcErrorCode.INVALID_PARAMS, "Invalid params - 'session_id' is required", rid
-            )
-        if own is not None and wanted == own:
-            return mcp_error(
-                JsonRpcErrorCode.INVALID_REQUEST,
-                "Cannot close active WebSocket-managed session via MCP method",
-                rid,
-            )
-        session = self.sessions.get(wanted)
-        if session is None:
-            return mcp_error(JsonRpcErrorCode.INVALID_PARAMS, f"Unknown session_id: {wanted}", rid)
-        if session.attached:
-            session.closing = True
-            return _ok({"session_id": wanted, "closed": False, "closing": True}, rid)
-        await self.end_session(wanted)
-        return _ok({"session_id": wanted, "closed": True}, rid)
-
-    def attach(self, session_id: str) -> McpSession:
-        """Attach a ``/ws`` connection to an HTTP-made session.
-
-        Raises:
-            RuntimeError: no such session, or one that has a ``/ws`` connection already
-                (OpenEnv's messages).
-        """
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise RuntimeError(f"Unknown session_id: {session_id}")
-        if session.attached:
-            raise RuntimeError(f"Session {session_id} already has an attached WebSocket")
-        session.attached = True
-        return session
-
-    async def detach(self, session_id: str) -> None:
-        """The ``/ws`` connection of a session left; end the session if a close waits."""
-        session = self.sessions.get(session_id)
-        if session is None:
-            return
-        session.attached = False
-        session.last_used = time.monotonic()
-        if session.closing:
-            await self.end_session(session_id)
-
-    async def end_session(self, session_id: str) -> None:
-        """Close an HTTP-made session and its env."""
-        session = self.sessions.pop(session_id, None)
-        if session is None:
-            return
-        try:
-            with contextlib.suppress(Exception):
-                await session.stack.aclose()
-            await self.host.close_env(session.env)
-        finally:
-            self.host.free_slot()
-
-    async def close_all(self) -> None:
-        """Close every HTTP-made session (the server is stopping)."""
-        for session_id in list(self.sessions):
-            await self.end_session(session_id)
-
-    async def reap_idle(self) -> None:
-        """End sessions no connection has used for ``mcp_session_idle_timeout_s``."""
-        idle = self.host.settings.mcp_session_idle_timeout_s
-        if idle is None:
-            return
-        now = time.monotonic()
-        for session_id, session in list(self.sessions.items()):
-            if not session.attached and now - session.last_used > idle:
-                await self.end_session(session_id)
+        """Serve OpenEnv's ``/mcp`` WebSocket on ``ws``: :meth:`McpSessions.serve_socket`,
+        each request answered as :meth:`mcp` answers it within the socket's session."""
+        await self.mcp_sessions.serve_socket(ws, self.mcp)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -454,13 +300,6 @@ def _adapter(model: type) -> TypeAdapter[Any]:
 
 class AtCapacity(Exception):
     """Every slot of the server's capacity holds a live env (answered with HTTP 503)."""
-
-
-async def open_mcp_session(env: Any, stack: AsyncExitStack) -> None:
-    """Hold ``env``'s MCP client session open on ``stack`` (an env without one: nothing)."""
-    session = getattr(env, "mcp_session", None)
-    if callable(session):
-        await stack.enter_async_context(session())
 
 
 def _ok(result: Any, rid: Any) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.transport._openenv import Environment
 from agile_llmenvs.transport.env_types import EnvTypes, infer_env_types
 from agile_llmenvs.transport.http import routing_connection
+from agile_llmenvs.transport.routes import ServerMode, server_mode
 from agile_llmenvs.transport.sessions import SessionHost
 from agile_llmenvs.transport.settings import ServerSettings
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
@@ -42,7 +43,8 @@ class OpenEnvServer:
 
     Routes, with ``create_app``'s paths and bodies: ``/ws`` sessions (``reset``, ``step``,
     ``state``, ``close`` and ``mcp`` messages), ``GET /health``, ``/metadata``, ``/schema``,
-    ``/state``, ``POST /reset``, ``/step``, ``/mcp``; and our ``GET /sessions``.
+    ``/state``, ``POST /reset``, ``/step``, ``/mcp``, a WebSocket at ``/mcp`` (bare JSON-RPC on
+    an MCP session of its own); and our ``GET /sessions``.
 
     Args:
         env: A single shared local env. Exactly one of ``env`` / ``make_env``.
@@ -62,10 +64,16 @@ class OpenEnvServer:
         observation_cls: The env's observation class (default: ``step``'s return
             annotation), published in ``/schema``.
         state_cls: The env's state class (default: the ``state`` property's annotation).
+        mode: OpenEnv's server mode: ``"simulation"`` serves every route; ``"production"``
+            drops the simulation controls ``POST /reset``, ``/step`` and ``GET /state`` (404,
+            as OpenEnv's ``register_routes(app, mode="production")``) and keeps the rest,
+            ``/ws`` sessions included. None reads ``OPENENV_MODE`` (default
+            ``"simulation"``), as ``create_app`` does.
 
     Raises:
         ValueError: both or neither of ``env``/``make_env``, ``max_concurrent_envs > 1``
-            with a shared ``env``, or an empty ``token``.
+            with a shared ``env``, an empty ``token``, or a ``mode`` that is neither
+            ``"simulation"`` nor ``"production"``.
         TypeError: a given class is not OpenEnv's ``Action`` / ``Observation`` / ``State``.
     """
 
@@ -84,7 +92,9 @@ class OpenEnvServer:
         action_cls: type | None = None,
         observation_cls: type | None = None,
         state_cls: type | None = None,
+        mode: ServerMode | str | None = None,
     ) -> None:
+        checked_mode = server_mode(mode)
         settings = settings or ServerSettings()
         self.host_sessions = build_session_host(
             env,
@@ -98,6 +108,7 @@ class OpenEnvServer:
             state_cls=state_cls,
             owner="OpenEnvServer",
         )
+        self.host_sessions.routes.mode = checked_mode
         self.settings = settings
         self._socket = _bind(host, port)
         self.host = host
@@ -185,7 +196,7 @@ class OpenEnvServer:
         ):
             self._started.set()
             await self._stop.wait()
-            await self.host_sessions.routes.close_all()
+            await self.host_sessions.routes.mcp_sessions.close_all()
 
 
 def build_session_host(

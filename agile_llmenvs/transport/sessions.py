@@ -14,6 +14,7 @@ import hmac
 import inspect
 import json
 import logging
+import uuid
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
@@ -29,7 +30,9 @@ from agile_llmenvs.transport._openenv import Environment, deserialize_action
 from agile_llmenvs.transport.env_calls import Discard, EnvCalls
 from agile_llmenvs.transport.env_types import EnvTypes, infer_env_types
 from agile_llmenvs.transport.http import SERVER_ERROR, HttpRequest, HttpResponse
+from agile_llmenvs.transport.idle import IdleClock, close_when_idle
 from agile_llmenvs.transport.mcp import parse_rpc
+from agile_llmenvs.transport.mcp_sessions import open_mcp_session
 from agile_llmenvs.transport.protocol import (
     ErrorCode,
     WireError,
@@ -41,7 +44,7 @@ from agile_llmenvs.transport.protocol import (
     state_frame,
     validation_errors,
 )
-from agile_llmenvs.transport.routes import HttpRoutes, open_mcp_session
+from agile_llmenvs.transport.routes import HttpRoutes
 from agile_llmenvs.transport.settings import ServerSettings
 from agile_llmenvs.transport.types import TextAction
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
@@ -114,7 +117,7 @@ class SessionHost:
             request.headers.get("Authorization", ""), query
         ):
             return _response(_FORBIDDEN)
-        if path == "/ws":
+        if path == "/ws" or (path == "/mcp" and _is_upgrade(request)):
             return None
         try:
             answer = await self.routes.get(path)
@@ -192,7 +195,7 @@ class SessionHost:
         """Take a slot for an env about to be built (idle MCP sessions are reaped first
         when there is none); False when the server is at capacity."""
         if self.full():
-            await self.routes.reap_idle()
+            await self.routes.mcp_sessions.reap_idle()
             if self.full():
                 return False
         self.active_sessions += 1
@@ -221,14 +224,20 @@ class SessionHost:
     # -- sessions ----------------------------------------------------------------------------
 
     async def handle(self, ws: ServerConnection) -> None:
-        """Serve one connection: one env, from its first valid message to its close."""
+        """Serve one connection: at ``/ws``, one env from its first valid message to its
+        close; at ``/mcp``, an MCP session for the connection's life
+        (:meth:`HttpRoutes.serve_mcp_socket`)."""
         path = ws.request.path if ws.request is not None else ""
+        if urlsplit(path).path.rstrip("/") == "/mcp":
+            with contextlib.suppress(ConnectionClosed, Discard):
+                await self.routes.serve_mcp_socket(ws)
+            return
         session_id = parse_qs(urlsplit(path).query).get("session_id", [""])[0]
         if session_id:  # a session made over HTTP (OpenEnv's MCPToolClient): counted already
             await self._attached_session(ws, session_id)
             return
         if self.full():  # told right after the handshake, as OpenEnv does
-            await self.routes.reap_idle()
+            await self.routes.mcp_sessions.reap_idle()
             if self.full():
                 await self._refuse(ws)
                 return
@@ -293,7 +302,7 @@ class SessionHost:
 
     async def _attached_session(self, ws: ServerConnection, session_id: str) -> None:
         try:
-            session = self.routes.attach(session_id)
+            session = self.routes.mcp_sessions.attach(session_id)
         except RuntimeError as exc:
             with contextlib.suppress(ConnectionClosed):
                 await ws.send(error_frame(ErrorCode.SESSION_ERROR, str(exc)))
@@ -304,7 +313,7 @@ class SessionHost:
         except (ConnectionClosed, Discard):
             pass
         finally:
-            await self.routes.detach(session_id)
+            await self.routes.mcp_sessions.detach(session_id)
 
     async def _session(self, ws: ServerConnection, first: str) -> None:
         try:
@@ -319,7 +328,8 @@ class SessionHost:
         try:
             async with contextlib.AsyncExitStack() as stack:
                 await open_mcp_session(env, stack)
-                await self._serve(ws, env, types, first)
+                # the session's own id, as OpenEnv gives every /ws session one
+                await self._serve(ws, env, types, first, str(uuid.uuid4()))
         except ConnectionClosed:
             pass
         except Discard as failure:
@@ -336,13 +346,13 @@ class SessionHost:
         env: Environment,
         types: EnvTypes,
         first: Any,
-        session_id: str | None = None,
+        session_id: str,
     ) -> None:
         idle = self.settings.session_idle_timeout_s
         limit = self.settings.max_message_bytes
         loop = asyncio.get_running_loop()
-        clock = _IdleClock(loop.time())
-        watchdog = None if idle is None else asyncio.create_task(_close_when_idle(ws, clock, idle))
+        clock = IdleClock(loop.time())
+        watchdog = None if idle is None else asyncio.create_task(close_when_idle(ws, clock, idle))
         message = first
         try:
             while True:
@@ -374,7 +384,7 @@ class SessionHost:
                 watchdog.cancel()
 
     async def _reply(
-        self, env: Environment, types: EnvTypes, text: str, session_id: str | None
+        self, env: Environment, types: EnvTypes, text: str, session_id: str
     ) -> str | None:
         try:
             kind, data = parse_message(text)
@@ -411,8 +421,8 @@ class SessionHost:
                 **({"location": location} if location else {}),
             )
 
-    async def _mcp(self, env: Environment, data: dict[str, Any], session_id: str | None) -> str:
-        """The ``mcp`` reply to one JSON-RPC request within this session."""
+    async def _mcp(self, env: Environment, data: dict[str, Any], session_id: str) -> str:
+        """The ``mcp`` reply to one JSON-RPC request within the session ``session_id``."""
         request, reply = parse_rpc(data)
         if request is not None:
             reply = await self.routes.mcp(request, env, session_id)
@@ -443,31 +453,6 @@ def _plain_text_step(env: Environment, types: EnvTypes, data: dict[str, Any]) ->
     )
 
 
-class _IdleClock:
-    """What the idle watchdog reads: when the last reply went, and whether a call runs."""
-
-    __slots__ = ("busy", "last")
-
-    def __init__(self, now: float) -> None:
-        self.busy = False
-        self.last = now
-
-
-async def _close_when_idle(ws: ServerConnection, clock: _IdleClock, idle_s: float) -> None:
-    """Close the session once ``idle_s`` passes with no message and no call running.
-
-    A timer per session that sleeps until the deadline, instead of a timeout armed on every
-    receive (which cost ~7% of the server's time per step under load).
-    """
-    loop = asyncio.get_running_loop()
-    while True:
-        left = idle_s if clock.busy else clock.last + idle_s - loop.time()
-        if left <= 0:
-            await ws.close(1001, "session idle timeout")
-            return
-        await asyncio.sleep(left)
-
-
 _SIGNATURES: dict[type, inspect.Signature] = {}
 
 
@@ -483,6 +468,11 @@ def _reset_kwargs(env: Environment, data: dict[str, Any]) -> dict[str, Any]:
 
 
 _FORBIDDEN = HttpResponse(HTTPStatus.FORBIDDEN, {"detail": "missing or wrong token"})
+
+
+def _is_upgrade(request: Request) -> bool:
+    """Whether ``request`` asks for a WebSocket (a plain ``GET /mcp`` is answered 405)."""
+    return "websocket" in request.headers.get("Upgrade", "").lower()
 
 
 def _response(answer: HttpResponse) -> Response:

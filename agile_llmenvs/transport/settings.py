@@ -14,7 +14,8 @@ class ServerSettings:
     """Settings of an env server beyond what to serve and where.
 
     Attributes:
-        session_idle_timeout_s: A session that sends nothing for this long is closed (None:
+        session_idle_timeout_s: A ``/ws`` session or ``/mcp`` WebSocket that sends nothing
+            for this long (counted from its last reply) is closed, its slot freed (None:
             never). Long, so slow generations are safe; half-open peers are found sooner by
             the keep-alive ping.
         ws_ping_interval_s: Seconds between keep-alive pings (None: no pings).

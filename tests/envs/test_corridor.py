@@ -138,7 +138,7 @@ def test_the_shipped_manifest_trains_two_steps(tmp_path: Path, tiny_model_dir: P
     assert manifest.env.entrypoint == "agile_llmenvs.envs.corridor:CorridorEnv"
     assert manifest.training is not None
     assert manifest.training.credit == "turn_mc"
-    update = {"credit": "episode", "max_steps": 2, "output_dir": str(tmp_path)}
+    update = {"max_steps": 2, "output_dir": str(tmp_path)}
     training = manifest.training.model_copy(update={**update, "tensorboard": False})
     model = ModelSpec(path=str(tiny_model_dir))
     train_grpo(manifest.model_copy(update={"training": training, "model": model}))
@@ -146,3 +146,6 @@ def test_the_shipped_manifest_trains_two_steps(tmp_path: Path, tiny_model_dir: P
         rows = list(csv.DictReader(file))
     assert [row["step"] for row in rows] == ["1", "2"]
     assert all(0.0 <= float(row["reward_mean"]) <= 1.0 for row in rows)
+    # turn_mc as shipped: s_1 of each of the 4 x 8 episodes valued (the env is pure: direct)
+    assert [float(row["credit_states"]) for row in rows] == [32.0, 32.0]
+    assert [float(row["credit_fallback_episodes"]) for row in rows] == [0.0, 0.0]

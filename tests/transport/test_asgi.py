@@ -326,6 +326,24 @@ def test_idle_and_silent_connections_are_closed_by_the_session_code() -> None:
         assert client.app.active_sessions == 0
 
 
+def test_an_idle_mcp_websocket_is_closed_and_frees_its_slot() -> None:
+    settings = ServerSettings(session_idle_timeout_s=0.3)
+    app = create_asgi_app(make_env=EchoEnv, settings=settings, max_concurrent_envs=1)
+    with testclient.TestClient(app) as client:
+        with client.websocket_connect("/mcp") as ws:
+            create = {"jsonrpc": "2.0", "method": "openenv/session/create", "id": 1}
+            ws.send_text(json.dumps(create))
+            assert "session_id" in json.loads(ws.receive_text())["result"]
+            assert app.active_sessions == 1
+            with pytest.raises(WebSocketDisconnect) as idle:
+                ws.receive_text()
+        assert idle.value.code == 1001
+        deadline = time.monotonic() + 5
+        while app.active_sessions and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert app.active_sessions == 0
+
+
 def test_http_bodies_over_the_message_limit_are_refused() -> None:
     app = create_asgi_app(make_env=EchoEnv, settings=ServerSettings(max_message_bytes=1000))
     with testclient.TestClient(app) as client:

@@ -1,0 +1,214 @@
+"""MCP sessions: envs held between JSON-RPC requests, as OpenEnv's ``MCPToolClient`` uses them.
+
+``openenv/session/create`` (over ``POST /mcp``) makes one, ``openenv/session/close`` ends it;
+a ``/ws?session_id=...`` connection attaches to one, and a WebSocket at ``/mcp`` is one for
+its connection's life (:meth:`McpSessions.serve_socket`). Each holds a slot of the server's
+capacity until it ends; one no connection holds and no request has used for
+``mcp_session_idle_timeout_s`` is reaped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from agile_llmenvs.transport._openenv import JsonRpcErrorCode
+from agile_llmenvs.transport.idle import IdleClock, close_when_idle
+from agile_llmenvs.transport.mcp import mcp_error, parse_rpc
+from agile_llmenvs.transport.protocol import strict_json_loads
+
+if TYPE_CHECKING:
+    from agile_llmenvs.transport.sessions import SessionHost
+
+__all__ = ["McpSession", "McpSessions", "open_mcp_session"]
+
+#: Answers one parsed JSON-RPC request within a session: ``(request, env, session_id)``.
+McpAnswer = Callable[[Any, Any, str], Awaitable[Any]]
+
+
+@dataclass
+class McpSession:
+    """An env session made by ``openenv/session/create``, alive until its close."""
+
+    env: Any
+    stack: AsyncExitStack
+    last_used: float = field(default_factory=time.monotonic)
+    attached: bool = False
+    closing: bool = False
+
+
+class McpSessions:
+    """The MCP sessions of one :class:`SessionHost`, by session id."""
+
+    def __init__(self, host: SessionHost) -> None:
+        self.host = host
+        self.sessions: dict[str, McpSession] = {}
+
+    def used(self, session_id: str) -> McpSession | None:
+        """The session ``session_id`` (marked as used now), or None if there is none."""
+        session = self.sessions.get(session_id)
+        if session is not None:
+            session.last_used = time.monotonic()
+        return session
+
+    async def create(self, rid: Any) -> Any:
+        """``openenv/session/create``'s reply: a new session's id, or the JSON-RPC error
+        of a full server or a failing env factory."""
+        host = self.host
+        await self.reap_idle()
+        if not await host.take_slot():
+            return mcp_error(
+                JsonRpcErrorCode.SERVER_ERROR,
+                host.capacity_message(),
+                rid,
+                data={"active_sessions": host.active_sessions, "max_sessions": host.max_sessions},
+            )
+        try:
+            env = await host.build_env()
+        except Exception as exc:
+            host.free_slot()
+            return mcp_error(JsonRpcErrorCode.SERVER_ERROR, f"env factory failed: {exc}", rid)
+        stack = AsyncExitStack()
+        try:
+            await open_mcp_session(env, stack)
+        except Exception as exc:
+            await stack.aclose()
+            await host.close_env(env)
+            host.free_slot()
+            return mcp_error(JsonRpcErrorCode.SERVER_ERROR, str(exc), rid)
+        session_id = str(uuid.uuid4())
+        self.sessions[session_id] = McpSession(env, stack)
+        return _ok({"session_id": session_id}, rid)
+
+    async def close(self, wanted: Any, own: str | None, rid: Any) -> Any:
+        """``openenv/session/close``'s reply for session ``wanted``, asked within the session
+        ``own`` (None: over HTTP). A session a connection holds ends when it leaves."""
+        if not wanted:
+            return mcp_error(
+                JsonRpcErrorCode.INVALID_PARAMS, "Invalid params - 'session_id' is required", rid
+            )
+        if own is not None and wanted == own:
+            return mcp_error(
+                JsonRpcErrorCode.INVALID_REQUEST,
+                "Cannot close active WebSocket-managed session via MCP method",
+                rid,
+            )
+        session = self.sessions.get(wanted)
+        if session is None:
+            return mcp_error(JsonRpcErrorCode.INVALID_PARAMS, f"Unknown session_id: {wanted}", rid)
+        if session.attached:
+            session.closing = True
+            return _ok({"session_id": wanted, "closed": False, "closing": True}, rid)
+        await self.end(wanted)
+        return _ok({"session_id": wanted, "closed": True}, rid)
+
+    async def serve_socket(self, ws: Any, answer: McpAnswer) -> None:
+        """Serve OpenEnv's ``/mcp`` WebSocket on ``ws`` (``recv``/``send``/``close`` as in
+        ``websockets``): a session of its own (as ``openenv/session/create`` makes) for the
+        connection's life, each text message a JSON-RPC request answered by ``answer``.
+
+        Full capacity or a failing env factory is answered with the JSON-RPC error
+        ``create`` gives, and the connection ends. A connection idle (no message, no call
+        running) for ``session_idle_timeout_s`` is closed (code 1001), its slot freed.
+        """
+        created = await self.create(None)
+        if "error" in created:
+            await ws.send(json.dumps(created))
+            return
+        session_id = created["result"]["session_id"]
+        session = self.attach(session_id)
+        idle = self.host.settings.session_idle_timeout_s
+        loop = asyncio.get_running_loop()
+        clock = IdleClock(loop.time())
+        watchdog = None if idle is None else asyncio.create_task(close_when_idle(ws, clock, idle))
+        try:
+            while True:
+                message = await ws.recv()
+                clock.busy = True
+                reply: Any
+                try:
+                    payload = strict_json_loads(message)
+                except ValueError as exc:
+                    reply = mcp_error(JsonRpcErrorCode.PARSE_ERROR, f"Parse error: {exc}")
+                else:
+                    request, reply = parse_rpc(payload)
+                    if reply is None:
+                        reply = await answer(request, session.env, session_id)
+                await ws.send(json.dumps(reply))
+                clock.busy = False
+                clock.last = loop.time()
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+            session.closing = True
+            await self.detach(session_id)
+
+    def attach(self, session_id: str) -> McpSession:
+        """Attach a connection to a session.
+
+        Raises:
+            RuntimeError: no such session, or one that has a connection already (OpenEnv's
+                messages).
+        """
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise RuntimeError(f"Unknown session_id: {session_id}")
+        if session.attached:
+            raise RuntimeError(f"Session {session_id} already has an attached WebSocket")
+        session.attached = True
+        return session
+
+    async def detach(self, session_id: str) -> None:
+        """The connection of a session left; end the session if a close waits."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            return
+        session.attached = False
+        session.last_used = time.monotonic()
+        if session.closing:
+            await self.end(session_id)
+
+    async def end(self, session_id: str) -> None:
+        """Close a session and its env, and free its slot."""
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return
+        try:
+            with contextlib.suppress(Exception):
+                await session.stack.aclose()
+            await self.host.close_env(session.env)
+        finally:
+            self.host.free_slot()
+
+    async def close_all(self) -> None:
+        """Close every session (the server is stopping)."""
+        for session_id in list(self.sessions):
+            await self.end(session_id)
+
+    async def reap_idle(self) -> None:
+        """End sessions no connection has used for ``mcp_session_idle_timeout_s``."""
+        idle = self.host.settings.mcp_session_idle_timeout_s
+        if idle is None:
+            return
+        now = time.monotonic()
+        for session_id, session in list(self.sessions.items()):
+            if not session.attached and now - session.last_used > idle:
+                await self.end(session_id)
+
+
+async def open_mcp_session(env: Any, stack: AsyncExitStack) -> None:
+    """Hold ``env``'s MCP client session open on ``stack`` (an env without one: nothing)."""
+    session = getattr(env, "mcp_session", None)
+    if callable(session):
+        await stack.enter_async_context(session())
+
+
+def _ok(result: Any, rid: Any) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "result": result, "id": rid}

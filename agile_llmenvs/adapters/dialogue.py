@@ -61,10 +61,6 @@ DEFAULT_SAMPLING: dict[str, Any] = {"max_tokens": 128, "temperature": 0.0}
 """A backend partner's or judge's sampling unless its spec's ``sampling`` says otherwise."""
 
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
-_SHARED: dict[
-    str, tuple[Backend, threading.Lock]
-] = {}  # backends built from a config, one per config per process
-_SHARED_LOCK = threading.Lock()
 
 
 def transcript(conversation: Sequence[Mapping[str, str]]) -> str:
@@ -322,29 +318,15 @@ def _speaker(spec: Any, field_name: str) -> Speaker:
             sampling = SamplingParams(**{**DEFAULT_SAMPLING, **config.pop("sampling", {})})
         except (TypeError, ValueError) as exc:
             raise EnvBuildError(f"dialogue: env_config.{field_name}.sampling: {exc}") from exc
-        return _BackendSpeaker(*_shared_backend(config, field_name), sampling=sampling)
+        from agile_llmenvs.config.factories import shared_backend
+
+        backend = shared_backend(config, f"dialogue: env_config.{field_name}")
+        return _BackendSpeaker(*backend, sampling=sampling)
     found = spec if hasattr(spec, "generate_chat") else _callable(spec, field_name)
     if hasattr(found, "generate_chat"):  # a Backend, built by the user
         return _BackendSpeaker(found, sampling=SamplingParams(**DEFAULT_SAMPLING))
     speaker: Speaker = found
     return speaker
-
-
-def _shared_backend(config: dict[str, Any], field_name: str) -> tuple[Backend, threading.Lock]:
-    """The backend ``config`` describes, built once per process (every rollout slot's env
-    builds its partner, and a local model is loaded only once)."""
-    from agile_llmenvs.config.factories import BackendFactory
-    from agile_llmenvs.config.models import ModelConfig
-
-    key = json.dumps(config, sort_keys=True, default=str)
-    with _SHARED_LOCK:
-        if key not in _SHARED:
-            try:
-                model_config = ModelConfig(**config)
-            except ValueError as exc:
-                raise EnvBuildError(f"dialogue: env_config.{field_name}: {exc}") from exc
-            _SHARED[key] = (BackendFactory.create(model_config), threading.Lock())
-        return _SHARED[key]
 
 
 def _rubric(spec: Any) -> Rubric:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import math
 import random
 import re
@@ -49,8 +48,6 @@ _GLOBAL_RANDOM = threading.Lock()  # guards the swap of the global random state
 _MOVE = re.compile(r"\[[^\[\]\n]+\]")
 _GAME_ID = -1
 # backends built from an opponent config, one per config per process, each with its lock
-_SHARED: dict[str, tuple[Backend, threading.Lock]] = {}
-_SHARED_LOCK = threading.Lock()
 
 
 def listed_moves(observation: str) -> list[str]:
@@ -388,21 +385,12 @@ def _opponent(opponent: str | Mapping[str, Any] | Backend | Opponent) -> Opponen
 def _model_player(config: dict[str, Any]) -> ModelPlayer:
     """The opponent a backend config describes; the backend is built once per process (every
     rollout slot's env builds its opponent, and a local model is loaded only once)."""
-    from agile_llmenvs.config.factories import BackendFactory
-    from agile_llmenvs.config.models import ModelConfig
+    from agile_llmenvs.config.factories import shared_backend
 
     try:
         sampling = SamplingParams(**{**DEFAULT_OPPONENT_SAMPLING, **config.pop("sampling", {})})
     except (TypeError, ValueError) as exc:
         raise EnvBuildError(f"textarena: env_config.opponent.sampling: {exc}") from exc
     system_prompt = str(config.pop("system_prompt", ""))
-    key = json.dumps(config, sort_keys=True, default=str)
-    with _SHARED_LOCK:
-        if key not in _SHARED:
-            try:
-                model_config = ModelConfig(**config)
-            except ValueError as exc:
-                raise EnvBuildError(f"textarena: env_config.opponent: {exc}") from exc
-            _SHARED[key] = (BackendFactory.create(model_config), threading.Lock())
-        backend, lock = _SHARED[key]
+    backend, lock = shared_backend(config, "textarena: env_config.opponent")
     return ModelPlayer(backend, sampling=sampling, system_prompt=system_prompt, lock=lock)

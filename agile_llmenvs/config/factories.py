@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -22,7 +24,13 @@ from agile_llmenvs.errors import BackendError, CheckpointError, EnvBuildError
 if TYPE_CHECKING:
     from agile_llmenvs.llm_envs.contract import TextEnv
 
-__all__ = ["BackendFactory", "EnvironmentFactory", "create_sampling_params", "model_directory"]
+__all__ = [
+    "BackendFactory",
+    "EnvironmentFactory",
+    "create_sampling_params",
+    "model_directory",
+    "shared_backend",
+]
 
 
 class EnvironmentFactory:
@@ -213,3 +221,30 @@ def create_sampling_params(config: InferenceConfig) -> SamplingParams:
         stop=tuple(config.stop),
         seed=config.seed,
     )
+
+
+_SHARED_BACKENDS: dict[str, tuple[Backend, threading.Lock]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_backend(config: Mapping[str, Any], field: str) -> tuple[Backend, threading.Lock]:
+    """The backend a :class:`ModelConfig` mapping describes, built once per process and
+    config, with a lock its callers share: every rollout slot's env builds its conversation
+    partner or opponent, and a local model is loaded only once.
+
+    Args:
+        config: :class:`ModelConfig`'s fields.
+        field: Where the config came from, for the error (``"dialogue: env_config.partner"``).
+
+    Raises:
+        EnvBuildError: ``config`` is not a valid :class:`ModelConfig`, naming ``field``.
+    """
+    key = json.dumps(dict(config), sort_keys=True, default=str)
+    with _SHARED_LOCK:
+        if key not in _SHARED_BACKENDS:
+            try:
+                model_config = ModelConfig(**config)
+            except ValueError as exc:
+                raise EnvBuildError(f"{field}: {exc}") from exc
+            _SHARED_BACKENDS[key] = (BackendFactory.create(model_config), threading.Lock())
+        return _SHARED_BACKENDS[key]

@@ -170,7 +170,6 @@ def batch_turn_advantages(
     """
     groups, size = rewards_GN.shape
     scales = torch.broadcast_to(scale_G1, (groups, 1)).flatten().tolist()
-    finished = [not t.failed for t in trajectories]
     counts = kept_GN.sum(dim=1).clamp(min=1)
     baselines = ((rewards_GN * kept_GN).sum(dim=1) / counts).tolist()
     eligible = [
@@ -197,7 +196,7 @@ def batch_turn_advantages(
     fallback = 0
     for index, (trajectory, ok) in enumerate(zip(trajectories, eligible, strict=True)):
         valued = (values or {}).get(trajectory.slot)
-        if not ok or not finished[index]:
+        if not ok:  # kept implies finished
             per_turn.append(None)
             continue
         if not valued:

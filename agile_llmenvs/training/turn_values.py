@@ -164,7 +164,7 @@ class TurnCheckpoints:
         snapshot = harness.snapshot()
         self._episodes += 1
         state = _state_of(snapshot, env, self._episodes)
-        actions = tuple(Action.from_text(m["content"]) for m in state.messages[1::2])
+        actions = tuple(Action.from_text(turn.action) for turn in snapshot.texts)
         reset_options = {**state.task, "seed": state.seed}
         checkpoint = Checkpoint(f"{slot}:{turn}", state, actions, reset_options)
         strategy = self._strategy_for(env)

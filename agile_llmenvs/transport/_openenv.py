@@ -7,17 +7,23 @@ load them under stand-in parent packages and then remove the stand-ins. A later
 ``import openenv.core`` runs the real ``__init__`` files, which find these very modules in
 ``sys.modules``: the classes stay identical objects, so ``create_app`` and OpenEnv's clients
 accept ours.
+
+Without the ``openenv`` extra the same names come from :mod:`agile_llmenvs.transport.wire_types`,
+our own copy of the wire: ``OPENENV_INSTALLED`` says which. Only FastMCP tool envs
+(:func:`get_server_tools`) need the real package.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "OPENENV_INSTALLED",
     "Action",
     "CallToolAction",
     "CallToolObservation",
@@ -65,30 +71,42 @@ def _load(name: str) -> Any:
                 delattr(owner, child)
 
 
-_interfaces = _load("interfaces")
-_types = _load("types")
-_mcp = _load("mcp_types")
-_serialization = _load("serialization")
+OPENENV_INSTALLED = importlib.util.find_spec("openenv") is not None
 
-Environment = _interfaces.Environment
-Action = _types.Action
-Observation = _types.Observation
-State = _types.State
-EnvironmentMetadata = _types.EnvironmentMetadata
-CallToolAction = _mcp.CallToolAction
-ListToolsAction = _mcp.ListToolsAction
-CallToolObservation = _mcp.CallToolObservation
-ListToolsObservation = _mcp.ListToolsObservation
-JsonRpcErrorCode = _mcp.JsonRpcErrorCode
-JsonRpcRequest = _mcp.JsonRpcRequest
-JsonRpcResponse = _mcp.JsonRpcResponse
-ResetRequest = _types.ResetRequest
-ResetResponse = _types.ResetResponse
-StepRequest = _types.StepRequest
-StepResponse = _types.StepResponse
-deserialize_action = _serialization.deserialize_action
+if OPENENV_INSTALLED:
+    _interfaces = _load("interfaces")
+    _types = _load("types")
+    _mcp = _load("mcp_types")
+    _serialization = _load("serialization")
+else:
+    from agile_llmenvs.transport import wire_types
+
+    _interfaces = _types = _mcp = _serialization = wire_types
+
+Environment: Any = _interfaces.Environment
+Action: Any = _types.Action
+Observation: Any = _types.Observation
+State: Any = _types.State
+EnvironmentMetadata: Any = _types.EnvironmentMetadata
+CallToolAction: Any = _mcp.CallToolAction
+ListToolsAction: Any = _mcp.ListToolsAction
+CallToolObservation: Any = _mcp.CallToolObservation
+ListToolsObservation: Any = _mcp.ListToolsObservation
+JsonRpcErrorCode: Any = _mcp.JsonRpcErrorCode
+JsonRpcRequest: Any = _mcp.JsonRpcRequest
+JsonRpcResponse: Any = _mcp.JsonRpcResponse
+ResetRequest: Any = _types.ResetRequest
+ResetResponse: Any = _types.ResetResponse
+StepRequest: Any = _types.StepRequest
+StepResponse: Any = _types.StepResponse
+deserialize_action: Any = _serialization.deserialize_action
 
 
 def get_server_tools(server: Any) -> Any:
     """OpenEnv's tools of a FastMCP server (loads ``mcp_environment``, and fastmcp, on use)."""
+    if not OPENENV_INSTALLED:
+        raise ImportError(
+            "an MCP env built on a FastMCP server needs OpenEnv: "
+            "pip install 'agile-llmenvs[openenv]'"
+        )
     return _load("mcp_environment").get_server_tools(server)

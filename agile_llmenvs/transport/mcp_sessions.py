@@ -115,8 +115,10 @@ class McpSessions:
         connection's life, each text message a JSON-RPC request answered by ``answer``.
 
         Full capacity or a failing env factory is answered with the JSON-RPC error
-        ``create`` gives, and the connection ends. A connection idle (no message, no call
-        running) for ``session_idle_timeout_s`` is closed (code 1001), its slot freed.
+        ``create`` gives, and the connection ends. A message over ``max_message_bytes`` is
+        answered ``INVALID_REQUEST`` without being parsed, and the session goes on. A
+        connection idle (no message, no call running) for ``session_idle_timeout_s`` is
+        closed (code 1001), its slot freed.
         """
         created = await self.create(None)
         if "error" in created:
@@ -125,6 +127,7 @@ class McpSessions:
         session_id = created["result"]["session_id"]
         session = self.attach(session_id)
         idle = self.host.settings.session_idle_timeout_s
+        limit = self.host.settings.max_message_bytes
         loop = asyncio.get_running_loop()
         clock = IdleClock(loop.time())
         watchdog = None if idle is None else asyncio.create_task(close_when_idle(ws, clock, idle))
@@ -133,14 +136,13 @@ class McpSessions:
                 message = await ws.recv()
                 clock.busy = True
                 reply: Any
-                try:
-                    payload = strict_json_loads(message)
-                except ValueError as exc:
-                    reply = mcp_error(JsonRpcErrorCode.PARSE_ERROR, f"Parse error: {exc}")
+                if len(message) > limit:  # answered unread, as /ws answers MESSAGE_TOO_LARGE
+                    reply = mcp_error(
+                        JsonRpcErrorCode.INVALID_REQUEST,
+                        f"Message of {len(message)} bytes exceeds the server's limit of {limit}",
+                    )
                 else:
-                    request, reply = parse_rpc(payload)
-                    if reply is None:
-                        reply = await answer(request, session.env, session_id)
+                    reply = await self._answer_text(message, answer, session.env, session_id)
                 await ws.send(json.dumps(reply))
                 clock.busy = False
                 clock.last = loop.time()
@@ -149,6 +151,15 @@ class McpSessions:
                 watchdog.cancel()
             session.closing = True
             await self.detach(session_id)
+
+    @staticmethod
+    async def _answer_text(message: Any, answer: McpAnswer, env: Any, session_id: str) -> Any:
+        try:
+            payload = strict_json_loads(message)
+        except ValueError as exc:
+            return mcp_error(JsonRpcErrorCode.PARSE_ERROR, f"Parse error: {exc}")
+        request, reply = parse_rpc(payload)
+        return reply if reply is not None else await answer(request, env, session_id)
 
     def attach(self, session_id: str) -> McpSession:
         """Attach a connection to a session.

@@ -183,3 +183,21 @@ def test_concurrent_ws_sessions_have_distinct_ids_and_cannot_close_their_own() -
         assert first != second
         close = {"type": "mcp", "data": rpc("openenv/session/close", 2, session_id=first)}
         assert ask(one, close)["data"]["error"]["code"] == -32600
+
+
+def test_an_mcp_websocket_message_over_the_size_limit_is_refused_and_the_session_goes_on() -> None:
+    settings = ServerSettings(max_message_bytes=1000)
+    with tools_server(settings=settings) as server, connect(ws_url(server, "/mcp")) as ws:
+        big = json.dumps(rpc("tools/call", 1, name="shout", arguments={"text": "x" * 2000}))
+        refused = ask(ws, json.loads(big))
+        assert refused == {
+            "jsonrpc": "2.0",
+            "id": None,  # the request is never parsed, so its id is unknown
+            "error": {
+                "code": -32600,
+                "message": f"Message of {len(big)} bytes exceeds the server's limit of 1000",
+                "data": None,
+            },
+        }
+        shouted = ask(ws, rpc("tools/call", 2, name="shout", arguments={"text": "ok"}))
+        assert (shouted["id"], shouted["result"]["data"]) == (2, "OK")

@@ -80,7 +80,7 @@ _TRAINING_PACKAGES: tuple[tuple[Callable[[TrainingSpec], bool], str, str, str, s
     (lambda t: "tensorboard" in t.report_to, "report_to", "tensorboard", "train", "TensorBoard"),
     (lambda t: "wandb" in t.report_to, "report_to", "wandb", "trackers", "W&B tracking"),
     (lambda t: "mlflow" in t.report_to, "report_to", "mlflow", "trackers", "MLflow tracking"),
-    (lambda t: "trackio" in t.report_to, "report_to", "trackio", "", "Trackio tracking"),
+    (lambda t: "trackio" in t.report_to, "report_to", "trackio", "trackers", "Trackio tracking"),
 )
 
 

@@ -54,13 +54,13 @@ TRL_NAMES: dict[str, str] = {
     "accuracy": "rewards/accuracies",
 }
 #: The file in a run's folder that holds each tracker's run id (``{"wandb": id, "mlflow":
-#: run_id}``), for a resumed run to continue them.
+#: run_id, "trackio": name}``), for a resumed run to continue them.
 TRACKER_IDS = "trackers.json"
 # Each tracker's import name, and how it installs.
 _PACKAGES = {
     "wandb": ("wandb", "trackers"),
     "mlflow": ("mlflow", "trackers"),
-    "trackio": ("trackio", None),
+    "trackio": ("trackio", "trackers"),
 }
 
 
@@ -108,7 +108,7 @@ def open_trackers(
     ``output_dir/mlruns``, unless ``MLFLOW_TRACKING_URI`` is set.
 
     Each tracker's run id is stored in ``output_dir/trackers.json``. With ``resume`` (the
-    run continues from a checkpoint) the stored runs are continued: W&B's with
+    run continues from a checkpoint) the stored runs are continued: W&B's and Trackio's with
     ``resume="allow"``, MLflow's by its run id; a fresh start removes ids a replaced run left.
 
     Raises:
@@ -165,16 +165,19 @@ def _make_tracker(name: str, run_name: str, output_dir: Path, run_id: str | None
             mlflow.set_tracking_uri((output_dir / "mlruns").resolve().as_uri())
         return MLflowTracker(experiment_name=PROJECT, run_name=run_name, run_id=run_id)
     project = os.environ.get("TRACKIO_PROJECT", PROJECT)
-    return TrackioTracker(project, name=run_name)
+    # Trackio knows a run by its name within the project: a resumed run appends to it
+    if run_id is not None:
+        return TrackioTracker(project, name=run_id, resume="allow")
+    return TrackioTracker(project, name=run_name, resume="never")
 
 
 def _run_id(name: str, tracker: Any) -> str | None:
-    """The id of the run ``tracker`` started (None for Trackio, which is not resumed)."""
+    """The id of the run ``tracker`` started (Trackio's: the run's name)."""
     if name == "wandb":
         return str(tracker.run.id)
     if name == "mlflow":
         return str(tracker.active_run.info.run_id)
-    return None
+    return str(tracker.run.name)
 
 
 def _stored_run_ids(output_dir: Path) -> dict[str, str]:

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import struct
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,40 @@ def test_grpo_reports_the_metrics_rows_to_wandb_and_mlflow(
         assert [value for _, value in logged] == pytest.approx(
             [_expected(row)[key] for row in rows], rel=1e-5
         )
+
+
+@pytest.mark.usefixtures("offline_trackers")
+def test_grpo_reports_to_a_local_trackio_project_and_a_resumed_run_appends_to_its_run(
+    make_manifest: Callable[..., RunManifest],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    store = tmp_path / "trackio"
+    monkeypatch.setenv("TRACKIO_DIR", str(store))
+    monkeypatch.delenv("TRACKIO_PROJECT", raising=False)
+    pytest.importorskip("trackio")
+    from trackio.sqlite_storage import SQLiteStorage
+
+    # trackio reads TRACKIO_DIR once, at import: an earlier import in this process kept another
+    for name, module in list(sys.modules.items()):
+        if name.startswith("trackio") and hasattr(module, "TRACKIO_DIR"):
+            monkeypatch.setattr(module, "TRACKIO_DIR", store)
+    settings = {"batch_size": 2, "group_size": 2, "max_new_tokens": 3}
+    settings |= {"report_to": ["trackio"], "run_name": "digits-trackio"}
+    first = train_grpo(make_manifest("quickstart.yaml", max_steps=2, **settings))
+    stored = json.loads((first.output_dir / TRACKER_IDS).read_text(encoding="utf-8"))
+    assert stored == {"trackio": "digits-trackio"}
+    resumed = train_grpo(make_manifest("quickstart.yaml", max_steps=3, **settings), resume=True)
+    assert [row["step"] for row in resumed.metrics] == [3.0]
+
+    assert SQLiteStorage.get_runs(PROJECT) == ["digits-trackio"]  # one run, continued
+    logged = SQLiteStorage.get_logs(PROJECT, "digits-trackio")
+    assert [entry["step"] for entry in logged] == [1, 2, 3]
+    for entry, row in zip(logged, [*first.metrics, *resumed.metrics], strict=True):
+        values = {k: v for k, v in entry.items() if k not in ("step", "timestamp")}
+        assert values == _expected(row)
+        assert values["reward"] == row["reward_mean"]
+    assert (store / f"{PROJECT}.db").is_file()  # a local store, no server
 
 
 @pytest.mark.usefixtures("offline_trackers")
@@ -273,7 +308,7 @@ def test_a_tracker_without_its_package_is_refused_with_the_install(
         "training.report_to: The package 'wandb' is needed for W&B tracking but is not "
         'installed; run: pip install "agile-llmenvs[trackers]"',
         "training.report_to: The package 'trackio' is needed for Trackio tracking but is not "
-        "installed; run: pip install trackio",
+        'installed; run: pip install "agile-llmenvs[trackers]"',
     ]
     assert manifest.training is not None
     with pytest.raises(OptionalDependencyError) as raised:

@@ -314,8 +314,30 @@ class ActionPlayer:
         except ImageObservationError as exc:
             info["error"] = f"{type(exc).__name__}: {exc}"
             return ActionOutcome(reward, info, [], reply)
+        roles = None if images or call.method != "step" else self._in_roles(info.get("messages"))
+        if roles is not None:
+            return ActionOutcome(reward, info, roles, reply)
         content = with_images(self.observation_text(reply), images)
         return ActionOutcome(reward, info, [{"role": "user", "content": content}], reply)
+
+    def _in_roles(self, messages: Any) -> list[dict[str, Any]] | None:
+        """A text env's step ``info["messages"]`` in the template's own roles: its tool
+        results (``tool`` messages first) as tool messages, the user messages after them as
+        one user message. None (the observation text as one user message) without tool
+        messages, with a template that has no tool role, or for messages of another shape."""
+        if not isinstance(messages, list) or not messages:
+            return None
+        if not all(_plain_message(m) and m["role"] in ("tool", "user") for m in messages):
+            return None
+        tools = [m["content"] for m in messages if m["role"] == "tool"]
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        in_order = all(m["role"] == "tool" for m in messages[: len(tools)])
+        if not tools or not in_order or self.framer.observation_role("tool") != "tool":
+            return None
+        shown = [{"role": "tool", "content": text} for text in tools]
+        if users:
+            shown.append({"role": "user", "content": "\n\n".join(users)})
+        return shown
 
     def _invalid(self, reason: str) -> ActionOutcome:
         """An invalid turn: ``reason`` is what the policy is shown; the env was not stepped."""
@@ -346,6 +368,14 @@ def _field_errors_text(field_errors: Sequence[Mapping[str, Any]]) -> str:
         message = str(error.get("msg") or "invalid")
         parts.append(f"{where}: {message}" if where else message)
     return "; ".join(parts)
+
+
+def _plain_message(message: Any) -> bool:
+    return (
+        isinstance(message, Mapping)
+        and isinstance(message.get("role"), str)
+        and isinstance(message.get("content"), str)
+    )
 
 
 def _joined(contents: Sequence[Any]) -> Any:

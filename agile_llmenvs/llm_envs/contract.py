@@ -31,7 +31,11 @@ class TextEnv(Protocol):
     whatever keys the env understands) and returns the first prompt; ``step`` takes the
     policy's text and returns the next observation, the reward and the two end flags. A
     reset ``info["system_prompt"]`` (a string) is the episode's system message: the rollout
-    harness shows it in the chat template's system role unless the run sets its own.
+    harness shows it in the chat template's system role unless the run sets its own. A step
+    ``info["messages"]`` (``{"role": "tool" | "user", "content": str}`` dicts, the tool
+    results first) is the observation as messages: the harness shows the tool results in
+    the template's tool role, and the observation text as one user message where the
+    template has none.
     """
 
     def reset(self, *, seed: int | None = None, **task: Any) -> tuple[str, dict[str, Any]]:

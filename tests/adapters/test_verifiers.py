@@ -93,7 +93,7 @@ def tool_oracle(context: str) -> str:
         a, b = QUESTION.findall(context)[-1]
         call = {"name": "add", "arguments": {"a": int(a), "b": int(b)}}
         return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
-    return context.rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0].strip()
+    return context.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0].strip()
 
 
 def wrong(context: str) -> str:
@@ -131,6 +131,11 @@ def test_an_oracle_scores_one_with_the_rubric_metrics_in_info(
         assert context.startswith(system)
         assert context.count("Reply with the number only.") == 1
     if loader == "load_tool":
+        answered = [c for c in seen if "</tool_call>" in c]
+        assert len(answered) == 4
+        for context in answered:  # the tool's result in the template's tool role, not as user
+            a, b = map(int, QUESTION.findall(context)[-1])
+            assert context.endswith(f"<|im_start|>tool\n{a + b}<|im_end|>\n<|im_start|>assistant\n")
         for trajectory in batch.trajectories:
             assert trajectory.episode.info["metrics"]["add_calls"] == 1.0
             assert trajectory.episode.info["metrics"]["used_the_tool"] == 1.0

@@ -367,3 +367,44 @@ def test_strip_reasoning_off_sends_the_whole_text() -> None:
     harness.reset()
     harness.step([*words(tokenizer, "<think>hm</think>4"), tokenizer.eos_token_id])
     assert env.actions == ["<think>hm</think>4"]
+
+
+class _ToolMessagesEnv:
+    """A text env whose step reports its observation as messages: two tool results, then a
+    user message (as the verifiers adapter reports a ToolEnv's turn)."""
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> tuple[str, dict[str, Any]]:
+        return "What are 2+3 and 4*5?", {}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        messages = [
+            {"role": "tool", "content": "5"},
+            {"role": "tool", "content": "20"},
+            {"role": "user", "content": "Anything else?"},
+        ]
+        return "5\n\n20\n\nAnything else?", 0.0, False, False, {"messages": messages}
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_text_env_step_messages_go_back_in_the_template_tool_role() -> None:
+    tokenizer = templated("tiny", "chatml_qwen25")
+    harness = RolloutHarness.local(_ToolMessagesEnv(), tokenizer, 3)
+    harness.reset()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    result = harness.step([*words(tokenizer, "I will check."), end])
+    # Qwen2.5: the tool results in one user turn, each in <tool_response>; then the user turn
+    assert tokenizer.decode(result.prompt_ids) == (
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response>\n"
+        "<tool_response>\n20\n</tool_response><|im_end|>\n"
+        "<|im_start|>user\nAnything else?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_step_messages_fall_back_to_the_observation_text_without_a_tool_role() -> None:
+    tokenizer = templated("mistral_v1", "llama2")
+    harness = RolloutHarness.local(_ToolMessagesEnv(), tokenizer, 3)
+    harness.reset()
+    result = harness.step([*words(tokenizer, "I will check."), tokenizer.eos_token_id])
+    assert tokenizer.decode(result.prompt_ids) == "<s>[INST] 5\n\n20\n\nAnything else? [/INST]"

@@ -143,6 +143,21 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
             detail="{ours.steps_per_s_64} vs {openenv.steps_per_s_64}",
         ),
     ),
+    "server_start": (
+        Figure(
+            "serve_over_create_app",
+            "env server start to the first `/health` 200: `agile-llmenvs serve` over uvicorn + "
+            "OpenEnv's `create_app`",
+            target=_at_most(1.2),
+            detail="{serve_s} s vs {create_app_s} s",
+        ),
+        Figure(
+            "asgi_over_create_app",
+            "same, our ASGI app under uvicorn over `create_app`",
+            target=_at_most(1.2),
+            detail="{asgi_s} s",
+        ),
+    ),
     "slow_neighbour": (
         Figure(
             "auto_neighbour_max_ms",

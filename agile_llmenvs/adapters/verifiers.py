@@ -6,7 +6,8 @@ verifiers env id (``vf-math-python``, loaded by ``verifiers.load_environment``) 
 The classic verifiers API is driven: ``SingleTurnEnv``, ``MultiTurnEnv``, ``ToolEnv`` and any
 other ``verifiers.Environment`` with a ``rollout(input, client, model)``, with its ``Rubric``.
 That API lives in verifiers 0.3.x (under ``verifiers.legacy``, also at its old paths); 0.4
-dropped it for a new stack (``verifiers.v1``) that this adapter does not drive.
+dropped it for a new stack (``verifiers.v1``): with 0.4 installed, :func:`make` builds the
+env with :mod:`agile_llmenvs.adapters.verifiers_v1` instead, so one manifest works with either.
 
 How an episode runs: the env's own ``rollout`` coroutine plays the dataset row on one private
 event loop per adapter, run in the calling thread, with a client that hands each model call to
@@ -28,6 +29,7 @@ system role (unless the run sets a ``system_prompt`` of its own).
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import random
 import signal
@@ -37,7 +39,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agile_llmenvs.errors import (
     AgileLLMEnvsError,
@@ -47,6 +49,9 @@ from agile_llmenvs.errors import (
 )
 from agile_llmenvs.llm_envs.tool_calls import parse_tool_calls
 from agile_llmenvs.transport.resolve import load_entrypoint
+
+if TYPE_CHECKING:
+    from agile_llmenvs.adapters.verifiers_v1 import VerifiersV1Env
 
 __all__ = ["DEFAULT_MAX_TURNS", "VerifiersEnv", "make"]
 
@@ -391,8 +396,10 @@ def make(
     call_timeout_s: float | None = 60.0,
     tool_call_parser: str = "hermes",
     **kwargs: Any,
-) -> VerifiersEnv:
-    """Build verifiers env ``env_id`` as a text env.
+) -> VerifiersEnv | VerifiersV1Env:
+    """Build verifiers env ``env_id`` as a text env: a :class:`VerifiersEnv` with verifiers
+    0.3.x, a :class:`~agile_llmenvs.adapters.verifiers_v1.VerifiersV1Env` with verifiers 0.4
+    (``env_id`` a ``module:attr`` of a ``vf.Env`` or a function building one).
 
     Args:
         env_id: An installed verifiers env id (``verifiers.load_environment(env_id,
@@ -407,8 +414,8 @@ def make(
 
     Raises:
         OptionalDependencyError: ``verifiers`` is not installed.
-        EnvBuildError: the installed verifiers has no classic API (0.4 and later), or the
-            env cannot be loaded, or is not a classic verifiers env.
+        EnvBuildError: the installed verifiers has neither API, or the env cannot be loaded,
+            or is not a verifiers env of the installed API.
     """
     try:
         import verifiers
@@ -419,11 +426,22 @@ def make(
     try:
         from verifiers.envs.environment import Environment
     except ImportError as exc:
+        if importlib.util.find_spec("verifiers.v1") is not None:  # verifiers 0.4
+            from agile_llmenvs.adapters.verifiers_v1 import make_v1
+
+            if split != "train":
+                raise EnvBuildError(
+                    f"split={split!r}: a verifiers 0.4 env plays its taskset's tasks; pick "
+                    "them in the taskset's config"
+                ) from exc
+            return make_v1(
+                env_id, call_timeout_s=call_timeout_s, tool_call_parser=tool_call_parser, **kwargs
+            )
         version = getattr(verifiers, "__version__", "?")
         raise EnvBuildError(
-            f"verifiers {version} has no classic API (verifiers.envs), which this adapter "
-            'drives: install verifiers 0.3.x (pip install "agile-llmenvs[verifiers]"); the '
-            "verifiers.v1 stack of 0.4 is not supported"
+            f"verifiers {version} has neither the classic API (verifiers.envs, 0.3.x) nor "
+            'verifiers.v1 (0.4): install one, pip install "agile-llmenvs[verifiers]" (0.3.x) '
+            'or "agile-llmenvs[verifiers-v1]" (0.4)'
         ) from exc
     _build_off_the_main_thread(Environment)
     try:
@@ -440,6 +458,13 @@ def make(
             f"verifiers could not load {env_id!r}: {type(exc).__name__}: {exc}"
         ) from exc
     if not isinstance(env, Environment):
+        preview = sys.modules.get("verifiers.v1")
+        if preview is not None and isinstance(env, getattr(preview, "Env", ())):
+            raise EnvBuildError(
+                f"{env_id!r} gave a verifiers.v1 {type(env).__name__}: the verifiers.v1 preview "
+                f"in verifiers {getattr(verifiers, '__version__', '?')} is not driven; install "
+                'verifiers 0.4 (pip install "agile-llmenvs[verifiers-v1]")'
+            )
         raise EnvBuildError(f"{env_id!r} gave a {type(env).__name__}, not a verifiers Environment")
     return VerifiersEnv(
         env, split=split, call_timeout_s=call_timeout_s, tool_call_parser=tool_call_parser

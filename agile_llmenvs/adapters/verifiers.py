@@ -31,16 +31,15 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import random
 import signal
 import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from agile_llmenvs.adapters.episode_loop import EpisodeLoop, pick_index
 from agile_llmenvs.errors import (
     AgileLLMEnvsError,
     EnvBuildError,
@@ -64,10 +63,9 @@ POLICY_MODEL = "agile-llmenvs-policy"
 
 @dataclass
 class _Rollout:
-    """The episode under way: the env's rollout task, its row, and the messages of the env's
-    last model call (the policy's context so far)."""
+    """The episode under way (its task is the :class:`EpisodeLoop`'s): its row, and the
+    messages of the env's last model call (the policy's context so far)."""
 
-    task: asyncio.Task[Any]
     row_index: int
     shown: list[Any] = field(default_factory=list)
 
@@ -107,10 +105,8 @@ class VerifiersEnv:
         self.tools = [tool.model_dump(exclude_none=True) for tool in env.tool_defs or []]
         self.call_timeout_s = call_timeout_s
         self.tool_call_parser = tool_call_parser
-        self._loop = asyncio.new_event_loop()
-        # the env's sync work run off the loop (datasets, sync tools): joined on close
-        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="verifiers-env")
-        self._loop.set_default_executor(self._executor)
+        # the env's sync work (datasets, sync tools) runs on the loop's threads
+        self._episodes = EpisodeLoop(call_timeout_s, "verifiers-env")
         self._client = _policy_client()
         self._rollout: _Rollout | None = None
         self._closed = False
@@ -130,11 +126,12 @@ class VerifiersEnv:
         if self._closed:
             raise RuntimeError("reset() after close()")
         self._cancel_rollout()
-        index = self._pick_row(seed, row_index)
+        index = pick_index(self.dataset_size, seed, row_index, "rows")
         row = dict(self.rows[index])
         row.setdefault("example_id", index)
         rollout = self.env.rollout(row, self._client, POLICY_MODEL, {})
-        self._rollout = _Rollout(self._loop.create_task(rollout), index)
+        self._episodes.start(rollout)
+        self._rollout = _Rollout(index)
         messages = self._advance()
         if messages is None:
             state = self._finished_state()
@@ -173,7 +170,7 @@ class VerifiersEnv:
             info = {"row_index": rollout.row_index, "messages": [_message_dict(m) for m in new]}
             return _observation(new), 0.0, False, False, info
         state = self._finished_state()
-        self._run(self._score(state), "scoring the rollout")
+        self._episodes.run(self._score(state), "scoring the rollout")
         final = list(state.get("final_env_response") or [])
         info = {
             "row_index": rollout.row_index,
@@ -195,54 +192,24 @@ class VerifiersEnv:
         self._closed = True
         try:
             self._cancel_rollout()
-            leftover = asyncio.all_tasks(self._loop)
-            for task in leftover:
-                task.cancel()
-            if leftover:
-                self._loop.run_until_complete(asyncio.wait(leftover, timeout=self.call_timeout_s))
-            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._episodes.wait_all(cancel=True)
         finally:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._loop.close()
+            self._episodes.close()
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _pick_row(self, seed: int | None, row_index: int | None) -> int:
-        if row_index is None:
-            return random.Random(seed).randrange(self.dataset_size) if seed is not None else 0
-        index = int(row_index)
-        if not 0 <= index < self.dataset_size:
-            raise IndexError(f"row_index {index} is outside the {self.dataset_size} rows")
-        return index
-
     def _advance(self) -> list[Any] | None:
         """Run the rollout until the env asks the model (its prompt messages) or ends (None)."""
-        assert self._rollout is not None
-        rollout = self._rollout.task
-        asked = self._client.expect(self._loop)
-
-        async def next_call() -> list[Any] | None:
-            done, _ = await asyncio.wait(
-                {rollout, asked}, timeout=self.call_timeout_s, return_when="FIRST_COMPLETED"
-            )
-            if asked in done:
-                return list(asked.result())
-            if rollout in done:
-                return None
-            raise TimeoutError(
-                f"the verifiers env did not reply within call_timeout_s={self.call_timeout_s}"
-            )
-
         try:
-            return self._loop.run_until_complete(next_call())
+            asked = self._episodes.advance(self._client.expect(self._episodes.loop))
         except TimeoutError:
             self._cancel_rollout()
             raise
+        return None if asked is None else list(asked)
 
     def _finished_state(self) -> Any:
-        assert self._rollout is not None
-        rollout, self._rollout = self._rollout.task, None
-        return rollout.result()  # the env's own failures are in state["error"]
+        self._rollout = None
+        return self._episodes.finish()  # the env's own failures are in state["error"]
 
     async def _score(self, state: Any) -> None:
         rubric = self.env.rubric
@@ -252,24 +219,11 @@ class VerifiersEnv:
             await rubric.dummy_score_rollout(state)
         await rubric.cleanup(state)
 
-    def _run(self, coroutine: Any, doing: str) -> Any:
-        try:
-            return self._loop.run_until_complete(
-                asyncio.wait_for(coroutine, timeout=self.call_timeout_s)
-            )
-        except TimeoutError as exc:
-            raise TimeoutError(
-                f"{doing} took longer than call_timeout_s={self.call_timeout_s}"
-            ) from exc
-
     def _cancel_rollout(self) -> None:
         """Cancel the rollout under way, letting its cleanup handlers run."""
-        rollout, self._rollout = self._rollout, None
+        self._rollout = None
         self._client.answer = None
-        if rollout is None or rollout.task.done():
-            return
-        rollout.task.cancel()
-        self._loop.run_until_complete(asyncio.wait({rollout.task}, timeout=self.call_timeout_s))
+        self._episodes.cancel()
 
     def _response(self, text: str) -> Any:
         from verifiers.types import Response, ResponseMessage, ToolCall

@@ -37,16 +37,15 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import random
 import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agile_llmenvs.adapters.episode_loop import EpisodeLoop, pick_index
 from agile_llmenvs.errors import EnvBuildError, EnvExecutionError
 from agile_llmenvs.llm_envs.tool_calls import parse_tool_calls
 
@@ -67,10 +66,9 @@ CHAT_PROGRAM_PACKAGES = ("openai", "mcp", "httpx", "httpx2", "tenacity", "certif
 
 @dataclass
 class _Episode:
-    """The episode under way: the env's ``run_episode`` task, its task index, and the
-    messages of the last model call (the policy's context so far)."""
+    """The episode under way (its ``run_episode`` task is the :class:`EpisodeLoop`'s): its
+    task index, and the messages of the last model call (the policy's context so far)."""
 
-    task: asyncio.Task[Any]
     index: int
     shown: list[Any] = field(default_factory=list)
 
@@ -131,10 +129,9 @@ class VerifiersV1Env:
         self.call_timeout_s = call_timeout_s
         self.tool_call_parser = tool_call_parser
         _prepare_chat_program()
-        self._loop = asyncio.new_event_loop()
-        # the loop's sync work (address lookups, file writes): joined on close
-        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="verifiers-v1")
-        self._loop.set_default_executor(self._executor)
+        # the loop's sync work (address lookups, file writes) runs on its threads
+        self._episodes = EpisodeLoop(call_timeout_s, "verifiers-v1")
+        self._loop = self._episodes.loop
         self._client = _policy_client(self)
         self._context = vf.ModelContext(model=POLICY_MODEL, client=vf.TrainClientConfig())
         self._serving: asyncio.Task[None] | None = None
@@ -159,9 +156,10 @@ class VerifiersV1Env:
             raise RuntimeError("reset() after close()")
         self._cancel_episode()
         self._serve()
-        index = self._pick(seed, row_index)
+        index = pick_index(self.dataset_size, seed, row_index, "tasks")
         episode = self.env.run_episode(self.tasks[index], self._context)
-        self._episode = _Episode(self._loop.create_task(episode), index)
+        self._episodes.start(episode)
+        self._episode = _Episode(index)
         messages = self._advance()
         if messages is None:
             done = self._finished()
@@ -238,26 +236,14 @@ class VerifiersV1Env:
             self._cancel_episode()
             if self._stop_serving is not None and not self._stop_serving.done():
                 self._stop_serving.set_result(None)
-            leftover = asyncio.all_tasks(self._loop)
-            if leftover:
-                self._loop.run_until_complete(asyncio.wait(leftover, timeout=self.call_timeout_s))
+            self._episodes.wait_all(cancel=False)  # serving() winds down
             for task in asyncio.all_tasks(self._loop):
                 task.cancel()
             self._reap_programs()
-            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
         finally:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._loop.close()
+            self._episodes.close()
 
     # -- internals ---------------------------------------------------------------------------
-
-    def _pick(self, seed: int | None, row_index: int | None) -> int:
-        if row_index is None:
-            return random.Random(seed).randrange(self.dataset_size) if seed is not None else 0
-        index = int(row_index)
-        if not 0 <= index < self.dataset_size:
-            raise IndexError(f"row_index {index} is outside the {self.dataset_size} tasks")
-        return index
 
     def _serve(self) -> None:
         """Enter the env's ``serving()`` (its shared tools, ``start()``) in a task of its
@@ -267,7 +253,7 @@ class VerifiersV1Env:
         ready: asyncio.Future[None] = self._loop.create_future()
         self._stop_serving = self._loop.create_future()
         self._serving = self._loop.create_task(self._hold_serving(ready, self._stop_serving))
-        self._run(asyncio.shield(ready), "starting the verifiers env")
+        self._episodes.run(asyncio.shield(ready), "starting the verifiers env")
 
     async def _hold_serving(self, ready: asyncio.Future[None], stop: asyncio.Future[None]) -> None:
         env = self.env
@@ -289,54 +275,25 @@ class VerifiersV1Env:
 
     def _advance(self) -> list[Any] | None:
         """Run the episode until the harness asks the model (its prompt) or it ends (None)."""
-        assert self._episode is not None
-        episode = self._episode.task
-        asked = self._client.expect(self._loop)
-
-        async def next_call() -> list[Any] | None:
-            done, _ = await asyncio.wait(
-                {episode, asked}, timeout=self.call_timeout_s, return_when="FIRST_COMPLETED"
-            )
-            if asked in done:
-                return list(asked.result())
-            if episode in done:
-                return None
-            raise TimeoutError(
-                f"the verifiers env did not reply within call_timeout_s={self.call_timeout_s}"
-            )
-
         try:
-            return self._loop.run_until_complete(next_call())
+            asked = self._episodes.advance(self._client.expect(self._loop))
         except TimeoutError:
             self._cancel_episode()
             raise
+        return None if asked is None else list(asked)
 
     def _finished(self) -> Any:
-        assert self._episode is not None
-        episode, self._episode = self._episode.task, None
+        self._episode = None
         self._client.answer = None
-        return episode.result()  # the env's own failures are on the episode and its traces
-
-    def _run(self, awaitable: Any, doing: str) -> Any:
-        try:
-            return self._loop.run_until_complete(
-                asyncio.wait_for(awaitable, timeout=self.call_timeout_s)
-            )
-        except TimeoutError as exc:
-            raise TimeoutError(
-                f"{doing} took longer than call_timeout_s={self.call_timeout_s}"
-            ) from exc
+        return self._episodes.finish()  # the env's own failures: on the episode, its traces
 
     def _cancel_episode(self) -> None:
         """Cancel the episode under way: its runtime and harness program are torn down."""
-        episode, self._episode = self._episode, None
+        self._episode = None
         answer, self._client.answer = self._client.answer, None
         if answer is not None and not answer.done():
             answer.cancel()
-        if episode is None or episode.task.done():
-            return
-        episode.task.cancel()
-        self._loop.run_until_complete(asyncio.wait({episode.task}, timeout=self.call_timeout_s))
+        self._episodes.cancel()
 
     def _reap_programs(self) -> None:
         """Let the harness programs a cancelled episode killed be reaped, and their pipes

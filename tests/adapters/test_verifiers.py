@@ -199,15 +199,15 @@ def test_reset_and_close_cancel_the_rollout_under_way() -> None:
     env = make(f"{ENVS}:load_multi_turn")
     env.reset(row_index=0)
     env.step("1")  # the rollout now waits for the second reply
-    assert env._rollout is not None
-    first = env._rollout.task
+    first = env._episodes.task
+    assert first is not None
     assert not first.done()
     env.reset(row_index=3)
     assert first.cancelled()
     assert env.step("10")[:3] == ("Check again: what is the sum?", 0.0, False)
     assert env.step("10")[1:3] == (1.0, True)
     env.reset(row_index=0)
-    loop = env._loop
+    loop = env._episodes.loop
     env.close()
     env.close()  # idempotent
     assert loop.is_closed()
@@ -223,7 +223,7 @@ def test_a_slow_env_times_out_and_its_rollout_is_cancelled() -> None:
             env.step("anything")
         envs_module = sys.modules[type(env.env).__module__]
         assert envs_module.CANCELLED[-1] == 1  # the sleeping env_response was cancelled
-        assert not asyncio.all_tasks(env._loop)
+        assert not asyncio.all_tasks(env._episodes.loop)
         env.reset(row_index=2)  # usable again
     finally:
         env.close()

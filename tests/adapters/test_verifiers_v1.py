@@ -231,15 +231,16 @@ def test_reset_and_close_cancel_the_episode_under_way() -> None:
             "messages": [{"role": "user", "content": "Check again: what is the sum?"}],
         },
     )  # the episode now waits for the second reply
-    assert env._episode is not None
-    first = env._episode.task
+    first = env._episodes.task
+    assert first is not None
     assert not first.done()
     env.reset(row_index=3)
     assert first.cancelled()
     assert env.step("10")[:3] == ("Check again: what is the sum?", 0.0, False)
     assert env.step("10")[1:3] == (1.0, True)
     env.reset(row_index=0)
-    second = env._episode.task
+    second = env._episodes.task
+    assert second is not None
     loop = env._loop
     env.close()
     env.close()  # idempotent
@@ -258,6 +259,7 @@ def test_a_slow_env_times_out_and_its_episode_is_cancelled() -> None:
             env.step("anything")  # the env sleeps before its user turn
         assert envs.CANCELLED[-1] == 1  # the sleeping run() was cancelled
         assert env._episode is None
+        assert env._episodes.task is None
         assert [t for t in asyncio.all_tasks(env._loop) if t is not env._serving] == []
         assert env.reset(row_index=2)[0] == "What is 7 + 6?"  # usable again
     finally:

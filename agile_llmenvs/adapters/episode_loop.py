@@ -1,0 +1,127 @@
+"""A private event loop that plays an env's own async episode, a model call at a time.
+
+The verifiers adapters (:mod:`~agile_llmenvs.adapters.verifiers` for the classic API,
+:mod:`~agile_llmenvs.adapters.verifiers_v1` for verifiers 0.4) run the env's rollout
+coroutine with a model client that parks each call until the policy answers. This module is
+the part they share: the loop (run in the calling thread, with its own worker threads for
+the env's sync work), the episode's task, running it until the env asks the model or ends,
+each wait bounded by ``call_timeout_s``, and cancelling it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+__all__ = ["EpisodeLoop", "pick_index"]
+
+
+class EpisodeLoop:
+    """One env's event loop and the episode under way on it.
+
+    Args:
+        call_timeout_s: The longest the env may work between two model calls (and any other
+            wait :meth:`run` bounds); None waits for ever.
+        thread_name: The prefix of the loop's worker threads (joined on :meth:`close`).
+    """
+
+    def __init__(self, call_timeout_s: float | None, thread_name: str) -> None:
+        self.call_timeout_s = call_timeout_s
+        self.loop = asyncio.new_event_loop()
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix=thread_name)
+        self.loop.set_default_executor(self._executor)
+        self.task: asyncio.Task[Any] | None = None
+
+    def start(self, episode: Coroutine[Any, Any, Any]) -> None:
+        """Schedule ``episode`` (it runs as :meth:`advance` drives the loop)."""
+        self.task = self.loop.create_task(episode)
+
+    def advance(self, asked: asyncio.Future[Any]) -> Any | None:
+        """Run the loop until ``asked`` resolves (the env's next model call: its result is
+        returned) or the episode ends (None).
+
+        Raises:
+            TimeoutError: neither within ``call_timeout_s``; the caller cancels the episode.
+        """
+        assert self.task is not None
+        episode = self.task
+
+        async def next_call() -> Any | None:
+            done, _ = await asyncio.wait(
+                {episode, asked}, timeout=self.call_timeout_s, return_when="FIRST_COMPLETED"
+            )
+            if asked in done:
+                return asked.result()
+            if episode in done:
+                return None
+            raise TimeoutError(
+                f"the verifiers env did not reply within call_timeout_s={self.call_timeout_s}"
+            )
+
+        return self.loop.run_until_complete(next_call())
+
+    def finish(self) -> Any:
+        """The ended episode's result (its exception raised), and no episode under way."""
+        assert self.task is not None
+        episode, self.task = self.task, None
+        return episode.result()
+
+    def run(self, awaitable: Any, doing: str) -> Any:
+        """Run ``awaitable`` on the loop, bounded by ``call_timeout_s``.
+
+        Raises:
+            TimeoutError: it took longer, naming what it was ``doing``.
+        """
+        try:
+            return self.loop.run_until_complete(
+                asyncio.wait_for(awaitable, timeout=self.call_timeout_s)
+            )
+        except TimeoutError as exc:
+            raise TimeoutError(
+                f"{doing} took longer than call_timeout_s={self.call_timeout_s}"
+            ) from exc
+
+    def cancel(self) -> None:
+        """Cancel the episode under way (its cleanup handlers run, for up to
+        ``call_timeout_s``)."""
+        episode, self.task = self.task, None
+        if episode is None or episode.done():
+            return
+        episode.cancel()
+        self.loop.run_until_complete(asyncio.wait({episode}, timeout=self.call_timeout_s))
+
+    def wait_all(self, *, cancel: bool) -> None:
+        """Wait for the loop's other tasks, for up to ``call_timeout_s``; with ``cancel``,
+        cancel them first."""
+        leftover = asyncio.all_tasks(self.loop)
+        if cancel:
+            for task in leftover:
+                task.cancel()
+        if leftover:
+            self.loop.run_until_complete(asyncio.wait(leftover, timeout=self.call_timeout_s))
+
+    def close(self) -> None:
+        """Finish the loop's async generators, join its worker threads and close it (the
+        episode and every task already ended: :meth:`cancel`, :meth:`wait_all`)."""
+        try:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        finally:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self.loop.close()
+
+
+def pick_index(size: int, seed: int | None, row_index: int | None, noun: str) -> int:
+    """``row_index`` (checked against ``size``), else an index drawn by ``seed``, else 0.
+
+    Raises:
+        IndexError: ``row_index`` is outside the ``size`` items (``noun``: rows, tasks).
+    """
+    if row_index is None:
+        return random.Random(seed).randrange(size) if seed is not None else 0
+    index = int(row_index)
+    if not 0 <= index < size:
+        raise IndexError(f"row_index {index} is outside the {size} {noun}")
+    return index

@@ -5,18 +5,19 @@ The verifiers adapters (:mod:`~agile_llmenvs.adapters.verifiers` for the classic
 coroutine with a model client that parks each call until the policy answers. This module is
 the part they share: the loop (run in the calling thread, with its own worker threads for
 the env's sync work), the episode's task, running it until the env asks the model or ends,
-each wait bounded by ``call_timeout_s``, and cancelling it.
+each wait bounded by ``call_timeout_s``, and cancelling it; and how the env's messages
+become the observation text and ``info["messages"]``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["EpisodeLoop", "pick_index"]
+__all__ = ["EpisodeLoop", "message_dict", "message_text", "observation_text", "pick_index"]
 
 
 class EpisodeLoop:
@@ -125,3 +126,30 @@ def pick_index(size: int, seed: int | None, row_index: int | None, noun: str) ->
     if not 0 <= index < size:
         raise IndexError(f"row_index {index} is outside the {size} {noun}")
     return index
+
+
+def message_text(content: Any) -> str:
+    """A message's content as text: a string, or the text parts of a content-part list."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        data = part if isinstance(part, Mapping) else getattr(part, "__dict__", {})
+        if data.get("type") == "text":
+            parts.append(str(data.get("text", "")))
+    return "\n".join(parts)
+
+
+def message_dict(message: Any) -> dict[str, Any]:
+    """A verifiers message as ``info["messages"]`` holds it: role, text, tool call id."""
+    found: dict[str, Any] = {"role": message.role, "content": message_text(message.content)}
+    if getattr(message, "tool_call_id", None):
+        found["tool_call_id"] = message.tool_call_id
+    return found
+
+
+def observation_text(messages: Sequence[Any]) -> str:
+    """The observation of ``messages``: their texts, the system message left out."""
+    return "\n\n".join(message_text(m.content) for m in messages if m.role != "system")

@@ -35,11 +35,16 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from agile_llmenvs.adapters.episode_loop import EpisodeLoop, pick_index
+from agile_llmenvs.adapters.episode_loop import (
+    EpisodeLoop,
+    message_dict,
+    message_text,
+    observation_text,
+    pick_index,
+)
 from agile_llmenvs.errors import (
     AgileLLMEnvsError,
     EnvBuildError,
@@ -140,14 +145,14 @@ class VerifiersEnv:
                 f"(stop condition {state.get('stop_condition')!r}, error {state.get('error')!r})"
             )
         self._rollout.shown = list(messages)
-        system = [_text(m.content) for m in messages if m.role == "system"]
+        system = [message_text(m.content) for m in messages if m.role == "system"]
         info: dict[str, Any] = {
             "row_index": index,
-            "messages": [_message_dict(m) for m in messages],
+            "messages": [message_dict(m) for m in messages],
         }
         if system:
             info["system_prompt"] = "\n\n".join(system)
-        return _observation(messages), info
+        return observation_text(messages), info
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Answer the env's model call with the policy's text; returns the env's reply (its
@@ -167,8 +172,8 @@ class VerifiersEnv:
         if messages is not None:
             new = list(messages[len(rollout.shown) + 1 :])  # after the policy's own message
             rollout.shown = list(messages)
-            info = {"row_index": rollout.row_index, "messages": [_message_dict(m) for m in new]}
-            return _observation(new), 0.0, False, False, info
+            info = {"row_index": rollout.row_index, "messages": [message_dict(m) for m in new]}
+            return observation_text(new), 0.0, False, False, info
         state = self._finished_state()
         self._episodes.run(self._score(state), "scoring the rollout")
         final = list(state.get("final_env_response") or [])
@@ -176,13 +181,13 @@ class VerifiersEnv:
             "row_index": rollout.row_index,
             "metrics": dict(state.get("metrics") or {}),
             "stop_condition": state.get("stop_condition"),
-            "messages": [_message_dict(m) for m in final],
+            "messages": [message_dict(m) for m in final],
         }
         if state.get("error") is not None:
             info["error"] = repr(state["error"])
         if state.get("timed_out"):
             info["timed_out"] = True
-        return _observation(final), float(state.get("reward") or 0.0), True, False, info
+        return observation_text(final), float(state.get("reward") or 0.0), True, False, info
 
     def close(self) -> None:
         """Cancel a rollout under way, tear the env down, stop the loop and its threads;
@@ -316,31 +321,6 @@ def _policy_client() -> Any:
             return None
 
     return PolicyClient()
-
-
-def _text(content: Any) -> str:
-    """A message's content as text: a string, or the text parts of a content-part list."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for part in content:
-        data = part if isinstance(part, Mapping) else getattr(part, "__dict__", {})
-        if data.get("type") == "text":
-            parts.append(str(data.get("text", "")))
-    return "\n".join(parts)
-
-
-def _message_dict(message: Any) -> dict[str, Any]:
-    found: dict[str, Any] = {"role": message.role, "content": _text(message.content)}
-    if getattr(message, "tool_call_id", None):
-        found["tool_call_id"] = message.tool_call_id
-    return found
-
-
-def _observation(messages: Sequence[Any]) -> str:
-    return "\n\n".join(_text(m.content) for m in messages if m.role != "system")
 
 
 def make(

@@ -45,7 +45,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agile_llmenvs.adapters.episode_loop import EpisodeLoop, pick_index
+from agile_llmenvs.adapters.episode_loop import (
+    EpisodeLoop,
+    message_dict,
+    message_text,
+    observation_text,
+    pick_index,
+)
 from agile_llmenvs.errors import EnvBuildError, EnvExecutionError
 from agile_llmenvs.llm_envs.tool_calls import parse_tool_calls
 
@@ -170,15 +176,15 @@ class VerifiersV1Env:
                 f"the verifiers episode of task {index} ended before asking the model: {errors}"
             )
         self._episode.shown = list(messages)
-        system = [_text(m.content) for m in messages if m.role == "system"]
+        system = [message_text(m.content) for m in messages if m.role == "system"]
         info: dict[str, Any] = {
             "row_index": index,
-            "messages": [_message_dict(m) for m in messages],
+            "messages": [message_dict(m) for m in messages],
             "tools": list(self.tools),
         }
         if system:
             info["system_prompt"] = "\n\n".join(system)
-        return _observation(messages), info
+        return observation_text(messages), info
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Answer the harness's model call with the policy's text; returns the messages
@@ -199,8 +205,8 @@ class VerifiersV1Env:
         if messages is not None:
             new = list(messages[len(episode.shown) + 1 :])  # after the policy's own message
             episode.shown = list(messages)
-            info = {"row_index": episode.index, "messages": [_message_dict(m) for m in new]}
-            return _observation(new), 0.0, False, False, info
+            info = {"row_index": episode.index, "messages": [message_dict(m) for m in new]}
+            return observation_text(new), 0.0, False, False, info
         done = self._finished()
         trained = [t for t in done.traces if t.agent is None or t.agent.trainable]
         rewards: dict[str, float] = {}
@@ -410,31 +416,6 @@ def _tool_dict(tool: Any) -> dict[str, Any]:
     found = {"name": tool.name, "description": tool.description or ""}
     found["parameters"] = tool.parameters or {"type": "object", "properties": {}}
     return found
-
-
-def _text(content: Any) -> str:
-    """A message's content as text: a string, or the text parts of a content-part list."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for part in content:
-        data = part if isinstance(part, Mapping) else getattr(part, "__dict__", {})
-        if data.get("type") == "text":
-            parts.append(str(data.get("text", "")))
-    return "\n".join(parts)
-
-
-def _message_dict(message: Any) -> dict[str, Any]:
-    found: dict[str, Any] = {"role": message.role, "content": _text(message.content)}
-    if getattr(message, "tool_call_id", None):
-        found["tool_call_id"] = message.tool_call_id
-    return found
-
-
-def _observation(messages: Sequence[Any]) -> str:
-    return "\n\n".join(_text(m.content) for m in messages if m.role != "system")
 
 
 def make_v1(

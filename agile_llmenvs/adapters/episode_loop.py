@@ -15,9 +15,17 @@ import asyncio
 import random
 from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EpisodeLoop", "message_dict", "message_text", "observation_text", "pick_index"]
+__all__ = [
+    "Conversation",
+    "EpisodeLoop",
+    "message_dict",
+    "message_text",
+    "observation_text",
+    "pick_index",
+]
 
 
 class EpisodeLoop:
@@ -112,6 +120,38 @@ class EpisodeLoop:
         finally:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self.loop.close()
+
+
+@dataclass
+class Conversation:
+    """What the policy has seen of the episode under way: its row (task) index and the
+    messages of the env's last model call."""
+
+    index: int
+    shown: list[Any] = field(default_factory=list)
+
+    def first(self, messages: Sequence[Any]) -> tuple[str, dict[str, Any]]:
+        """The reset's observation of the env's first model call: its text, and ``info``
+        with the index, the messages and the system messages' text as ``system_prompt``."""
+        self.shown = list(messages)
+        system = [message_text(m.content) for m in messages if m.role == "system"]
+        info: dict[str, Any] = {
+            "row_index": self.index,
+            "messages": [message_dict(m) for m in messages],
+        }
+        if system:
+            info["system_prompt"] = "\n\n".join(system)
+        return observation_text(messages), info
+
+    def next(self, messages: Sequence[Any]) -> tuple[str, dict[str, Any]]:
+        """A step's observation of the env's next model call: the messages after the
+        policy's own (tool results, the user's turn)."""
+        new = list(messages[len(self.shown) + 1 :])
+        self.shown = list(messages)
+        return observation_text(new), {
+            "row_index": self.index,
+            "messages": [message_dict(m) for m in new],
+        }
 
 
 def pick_index(size: int, seed: int | None, row_index: int | None, noun: str) -> int:

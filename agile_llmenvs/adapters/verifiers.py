@@ -35,13 +35,12 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agile_llmenvs.adapters.episode_loop import (
+    Conversation,
     EpisodeLoop,
     message_dict,
-    message_text,
     observation_text,
     pick_index,
 )
@@ -64,15 +63,6 @@ DEFAULT_MAX_TURNS = 32
 
 POLICY_MODEL = "agile-llmenvs-policy"
 """The model name the env's rollout is given (it reaches only this adapter's client)."""
-
-
-@dataclass
-class _Rollout:
-    """The episode under way (its task is the :class:`EpisodeLoop`'s): its row, and the
-    messages of the env's last model call (the policy's context so far)."""
-
-    row_index: int
-    shown: list[Any] = field(default_factory=list)
 
 
 class VerifiersEnv:
@@ -113,7 +103,7 @@ class VerifiersEnv:
         # the env's sync work (datasets, sync tools) runs on the loop's threads
         self._episodes = EpisodeLoop(call_timeout_s, "verifiers-env")
         self._client = _policy_client()
-        self._rollout: _Rollout | None = None
+        self._rollout: Conversation | None = None
         self._closed = False
 
     def reset(
@@ -136,7 +126,7 @@ class VerifiersEnv:
         row.setdefault("example_id", index)
         rollout = self.env.rollout(row, self._client, POLICY_MODEL, {})
         self._episodes.start(rollout)
-        self._rollout = _Rollout(index)
+        self._rollout = Conversation(index)
         messages = self._advance()
         if messages is None:
             state = self._finished_state()
@@ -144,15 +134,7 @@ class VerifiersEnv:
                 f"the verifiers rollout of row {index} ended before asking the model "
                 f"(stop condition {state.get('stop_condition')!r}, error {state.get('error')!r})"
             )
-        self._rollout.shown = list(messages)
-        system = [message_text(m.content) for m in messages if m.role == "system"]
-        info: dict[str, Any] = {
-            "row_index": index,
-            "messages": [message_dict(m) for m in messages],
-        }
-        if system:
-            info["system_prompt"] = "\n\n".join(system)
-        return observation_text(messages), info
+        return self._rollout.first(messages)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Answer the env's model call with the policy's text; returns the env's reply (its
@@ -170,15 +152,13 @@ class VerifiersEnv:
         pending.set_result(self._response(action))
         messages = self._advance()
         if messages is not None:
-            new = list(messages[len(rollout.shown) + 1 :])  # after the policy's own message
-            rollout.shown = list(messages)
-            info = {"row_index": rollout.row_index, "messages": [message_dict(m) for m in new]}
-            return observation_text(new), 0.0, False, False, info
+            text, info = rollout.next(messages)
+            return text, 0.0, False, False, info
         state = self._finished_state()
         self._episodes.run(self._score(state), "scoring the rollout")
         final = list(state.get("final_env_response") or [])
         info = {
-            "row_index": rollout.row_index,
+            "row_index": rollout.index,
             "metrics": dict(state.get("metrics") or {}),
             "stop_condition": state.get("stop_condition"),
             "messages": [message_dict(m) for m in final],

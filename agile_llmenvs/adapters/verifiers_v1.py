@@ -41,15 +41,12 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agile_llmenvs.adapters.episode_loop import (
+    Conversation,
     EpisodeLoop,
-    message_dict,
-    message_text,
-    observation_text,
     pick_index,
 )
 from agile_llmenvs.errors import EnvBuildError, EnvExecutionError
@@ -68,15 +65,6 @@ REAP_TIMEOUT_S = 5.0
 
 CHAT_PROGRAM_PACKAGES = ("openai", "mcp", "httpx", "httpx2", "tenacity", "certifi")
 """What verifiers' chat program (the ``null`` and ``bash`` harnesses) imports."""
-
-
-@dataclass
-class _Episode:
-    """The episode under way (its ``run_episode`` task is the :class:`EpisodeLoop`'s): its
-    task index, and the messages of the last model call (the policy's context so far)."""
-
-    index: int
-    shown: list[Any] = field(default_factory=list)
 
 
 class VerifiersV1Env:
@@ -142,7 +130,7 @@ class VerifiersV1Env:
         self._context = vf.ModelContext(model=POLICY_MODEL, client=vf.TrainClientConfig())
         self._serving: asyncio.Task[None] | None = None
         self._stop_serving: asyncio.Future[None] | None = None
-        self._episode: _Episode | None = None
+        self._episode: Conversation | None = None
         self._calls = 0
         self._closed = False
 
@@ -165,26 +153,15 @@ class VerifiersV1Env:
         index = pick_index(self.dataset_size, seed, row_index, "tasks")
         episode = self.env.run_episode(self.tasks[index], self._context)
         self._episodes.start(episode)
-        self._episode = _Episode(index)
+        self._episode = Conversation(index)
         messages = self._advance()
         if messages is None:
-            done = self._finished()
-            errors = [f"{e.type}: {e.message}" for e in done.errors]
-            for trace in done.traces:
-                errors += [f"{e.type}: {e.message}" for e in trace.errors]
+            errors = _errors(self._finished())
             raise EnvExecutionError(
                 f"the verifiers episode of task {index} ended before asking the model: {errors}"
             )
-        self._episode.shown = list(messages)
-        system = [message_text(m.content) for m in messages if m.role == "system"]
-        info: dict[str, Any] = {
-            "row_index": index,
-            "messages": [message_dict(m) for m in messages],
-            "tools": list(self.tools),
-        }
-        if system:
-            info["system_prompt"] = "\n\n".join(system)
-        return observation_text(messages), info
+        text, info = self._episode.first(messages)
+        return text, info | {"tools": list(self.tools)}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Answer the harness's model call with the policy's text; returns the messages
@@ -203,10 +180,8 @@ class VerifiersV1Env:
         pending.set_result(action)
         messages = self._advance()
         if messages is not None:
-            new = list(messages[len(episode.shown) + 1 :])  # after the policy's own message
-            episode.shown = list(messages)
-            info = {"row_index": episode.index, "messages": [message_dict(m) for m in new]}
-            return observation_text(new), 0.0, False, False, info
+            text, info = episode.next(messages)
+            return text, 0.0, False, False, info
         done = self._finished()
         trained = [t for t in done.traces if t.agent is None or t.agent.trainable]
         rewards: dict[str, float] = {}
@@ -222,9 +197,7 @@ class VerifiersV1Env:
             "num_turns": sum(t.num_turns for t in trained),
             "messages": [],
         }
-        errors = [f"{e.type}: {e.message}" for e in done.errors]
-        for trace in done.traces:
-            errors += [f"{e.type}: {e.message}" for e in trace.errors]
+        errors = _errors(done)
         if errors:
             info["errors"] = errors
         if done.is_timeout or any(t.is_timeout for t in done.traces):
@@ -410,6 +383,12 @@ def _policy_client(adapter: VerifiersV1Env) -> Any:
             return adapter._response(text, str(body.get("model") or POLICY_MODEL))
 
     return PolicyClient()
+
+
+def _errors(done: Any) -> list[str]:
+    """An ended episode's errors and its traces', as ``type: message`` lines."""
+    found = [*done.errors, *(e for trace in done.traces for e in trace.errors)]
+    return [f"{e.type}: {e.message}" for e in found]
 
 
 def _tool_dict(tool: Any) -> dict[str, Any]:

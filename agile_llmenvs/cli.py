@@ -128,7 +128,8 @@ def _exposure_warning(host: str, token: str | None) -> str | None:
 def _env_to_serve(args: argparse.Namespace) -> tuple[Callable[[], Any], str, int | None]:
     """What ``serve`` hosts: the env factory (one env already built and closed, so a mistake
     fails now rather than in every session), the env's name, and a manifest's ``num_envs``."""
-    from agile_llmenvs.transport.resolve import env_factory, text_env_factory
+    from agile_llmenvs.llm_envs.from_spec import text_env_factory
+    from agile_llmenvs.transport.resolve import env_factory
 
     target: str = args.entrypoint
     sessions = None
@@ -200,6 +201,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _register_validate(commands)
+    _register_schema(commands)
+    _register_serve(commands)
+    from agile_llmenvs.evaluation.command import register as register_eval
+
+    register_eval(commands)
+    from agile_llmenvs.training.command import register as register_train
+
+    register_train(commands)
+    from agile_llmenvs.viewer.command import register as register_show
+
+    register_show(commands)
+    from agile_llmenvs.bench_command import register as register_bench
+
+    register_bench(commands)
+    for command in commands.choices.values():  # --debug after the command works too
+        command.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+        )
+    return parser
+
+
+def _register_validate(commands: argparse._SubParsersAction) -> None:
+    """Add the ``validate`` subcommand."""
     validate = commands.add_parser(
         "validate",
         help="check run manifests and eval configs (YAML or JSON) without running them",
@@ -219,9 +244,17 @@ def _parser() -> argparse.ArgumentParser:
         "on Ray env hosts or at an env_url is never built)",
     )
     validate.set_defaults(run=_validate)
+
+
+def _register_schema(commands: argparse._SubParsersAction) -> None:
+    """Add the ``schema`` subcommand."""
     schema = commands.add_parser("schema", help="print the JSON Schema of run manifests")
     schema.add_argument("-o", "--output", type=Path, help="write to this file instead")
     schema.set_defaults(run=_schema)
+
+
+def _register_serve(commands: argparse._SubParsersAction) -> None:
+    """Add the ``serve`` subcommand."""
     serve = commands.add_parser("serve", help="host an env over OpenEnv's WebSocket protocol")
     serve.add_argument(
         "entrypoint",
@@ -262,23 +295,6 @@ def _parser() -> argparse.ArgumentParser:
         "simulation)",
     )
     serve.set_defaults(run=_serve)
-    from agile_llmenvs.evaluation.command import register as register_eval
-
-    register_eval(commands)
-    from agile_llmenvs.training.command import register as register_train
-
-    register_train(commands)
-    from agile_llmenvs.viewer.command import register as register_show
-
-    register_show(commands)
-    from agile_llmenvs.bench_command import register as register_bench
-
-    register_bench(commands)
-    for command in commands.choices.values():  # --debug after the command works too
-        command.add_argument(
-            "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
-        )
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

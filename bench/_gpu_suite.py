@@ -215,7 +215,7 @@ def _fsdp(args: argparse.Namespace) -> int:
 
     from agile_llmenvs.specs import load_manifest
     from agile_llmenvs.training import train_grpo
-    from agile_llmenvs.training.checkpoint import find_checkpoint
+    from agile_llmenvs.weights import find_checkpoint
 
     manifest = load_manifest(args.manifest)
     assert manifest.training is not None

@@ -16,7 +16,7 @@ the training call (setup included):
 
 ``--sweep`` instead times the quick start on tiny models of several widths with one thread
 and with torch's default, the measure behind
-:data:`agile_llmenvs.training.threads.SMALL_MODEL_PARAMETERS` (not part of the table).
+:data:`agile_llmenvs.training.policy.threads.SMALL_MODEL_PARAMETERS` (not part of the table).
 Last line: JSON.
 """
 
@@ -43,7 +43,7 @@ import json, sys, tempfile, time
 import torch
 from agile_llmenvs.specs import ModelSpec, load_manifest
 from agile_llmenvs.training import train_grpo
-from agile_llmenvs.training.common import model_dir
+from agile_llmenvs.training.policy import model_dir
 from transformers import AutoConfig, AutoModelForCausalLM
 
 def parameters(spec):

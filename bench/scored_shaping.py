@@ -110,7 +110,7 @@ def _inputs(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def _step(model: Any, ids: Any, attention: Any, mask: Any, distribution: Any) -> None:
-    from agile_llmenvs.training.logprobs import scored_token_logps
+    from agile_llmenvs.training.objective import scored_token_logps
 
     model.zero_grad(set_to_none=True)
     scored = scored_token_logps(model, ids, attention, mask, distribution=distribution)

@@ -98,8 +98,7 @@ def _learner(layers: int, device: str) -> Any:
     from accelerate import Accelerator
     from transformers import Qwen2ForCausalLM
 
-    from agile_llmenvs.training.learner import Learner
-    from agile_llmenvs.training.optim import make_optimizer, make_scheduler
+    from agile_llmenvs.training.policy import Learner, make_optimizer, make_scheduler
 
     config = qwen_05b_config(layers)
     torch.manual_seed(0)
@@ -121,8 +120,7 @@ def _samples(args: argparse.Namespace, samples: int) -> tuple[torch.Tensor, torc
 
 
 def _grpo_step(learner: Any, args: argparse.Namespace, samples: int) -> None:
-    from agile_llmenvs.training.grpo_update import UpdateSettings, grpo_update
-    from agile_llmenvs.training.policy_batch import PolicyBatch
+    from agile_llmenvs.training.grpo import PolicyBatch, UpdateSettings, grpo_update
 
     ids, scored = _samples(args, samples)
     batch = PolicyBatch(
@@ -138,8 +136,8 @@ def _grpo_step(learner: Any, args: argparse.Namespace, samples: int) -> None:
 
 def _sft_step(learner: Any, args: argparse.Namespace, samples: int) -> None:
     from agile_llmenvs.llm_envs.dataset_env import SFTBatch
-    from agile_llmenvs.training.learner import micro_batch_slices
-    from agile_llmenvs.training.sft import SFTObjective
+    from agile_llmenvs.training.policy import micro_batch_slices
+    from agile_llmenvs.training.supervised import SFTObjective
 
     ids, scored = _samples(args, samples)
     labels = ids.clone()

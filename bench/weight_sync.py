@@ -20,7 +20,7 @@ The model: a random-init Qwen2 of Qwen2.5-0.5B's config (hidden 896, 24 layers, 
   same floor; ``gloo_over_vllm_reload`` over vLLM's own reload of its checkpoint.
 - ``sharded_extra_layers``: the highest resident memory of a training process above its
   memory before the sync, while 2 gloo processes holding the policy sharded by FSDP2 write
-  their files of a sync folder (:func:`~agile_llmenvs.training.server_sync.write_shared_folder`),
+  their files of a sync folder (:func:`~agile_llmenvs.training.generation.write_shared_folder`),
   in decoder layers' worth of weights (one whole layer's bytes). Target <= 2.
 
 The server needs an interpreter with vllm (``$AGILE_LLMENVS_VLLM_PYTHON``), started as the
@@ -171,7 +171,7 @@ def _sync_figures(model: Any, model_dir: Path, work: Path, repeats: int) -> dict
 def _timed_sync(backend: Any, model: Any, *, version: int) -> tuple[float, float]:
     """One ``sync_weights``, in its two parts: seconds to write the folder, and seconds for
     the server to reload it (HTTP, reading, vLLM's in-place reload, the prefix-cache reset)."""
-    from agile_llmenvs.training.weight_files import local_weights, write_weights
+    from agile_llmenvs.weights import local_weights, write_weights
 
     start = time.perf_counter()
     folder = backend.weights_folder(version)
@@ -244,8 +244,8 @@ def _sharded_figures(model_dir: Path, work: Path) -> dict[str, Any]:
 def _sharded_worker(out: Path) -> None:
     """One of 2 processes: shard the policy, then write this process's file of a sync
     folder, recording the resident high-water mark above the memory before."""
-    from agile_llmenvs.training.server_sync import write_shared_folder
-    from agile_llmenvs.training.sharding import shard_policy
+    from agile_llmenvs.training.generation import write_shared_folder
+    from agile_llmenvs.training.policy import shard_policy
 
     torch.distributed.init_process_group("gloo")
     rank = torch.distributed.get_rank()

@@ -19,9 +19,8 @@ from typing import Any
 import pytest
 
 from agile_llmenvs.cli import main
-from agile_llmenvs.llm_envs.episode import EpisodeData, StopReason, TokenSample
+from agile_llmenvs.core import EpisodeData, StopReason, TokenSample, Trajectory, failed_episode
 from agile_llmenvs.llm_envs.tasks import Task
-from agile_llmenvs.llm_envs.trajectory import Trajectory, failed_episode
 from agile_llmenvs.viewer import read_rollouts, render_page
 from agile_llmenvs.viewer.command import parse_steps
 from agile_llmenvs.viewer.page import RunPage
@@ -79,7 +78,7 @@ def _trajectories(tokenizer: Any, step: int) -> list[Trajectory]:
 
 def _write_run(run: Path, tokenizer: Any) -> None:
     """A run folder as a GRPO run leaves it: 20 steps of metrics, episodes of steps 10, 20."""
-    from agile_llmenvs.training.rollout_log import RolloutLog
+    from agile_llmenvs.training.run import RolloutLog
 
     log = RolloutLog(run / ROLLOUTS_FILE, tokenizer, every=10, count=3)
     for step in (10, 20):
@@ -305,7 +304,10 @@ def test_steps_are_picked_by_range_and_spread_to_the_limit() -> None:
 
 
 def test_viewer_reads_the_file_the_trainer_writes() -> None:
-    from agile_llmenvs.training import rollout_log
+    from agile_llmenvs import _run_files as run_files
+    from agile_llmenvs.training.grpo import loop
     from agile_llmenvs.viewer import records
 
-    assert records.ROLLOUTS_FILE == rollout_log.ROLLOUTS_FILE
+    # one name, in one module: the GRPO loop writes the file the viewer reads
+    assert loop.ROLLOUTS_FILE is run_files.ROLLOUTS_FILE
+    assert records.ROLLOUTS_FILE is run_files.ROLLOUTS_FILE

@@ -3,14 +3,26 @@
 Every backend is chat-level (:class:`Backend`): a list of conversations in, one
 :class:`Completion` per conversation out, in one call. Local backends (HF, vLLM) also satisfy
 :class:`TokenBackend`: token ids in, sampled token ids and their log-probs out, so training
-data is built from exactly the ids the policy sampled.
+data is built from exactly the ids the policy sampled. The values a generation returns
+(:class:`Completion`, :class:`Generation`, :class:`ToolCall`) and the chat messages are the
+core vocabulary (:mod:`agile_llmenvs.core.chat`), re-exported here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from agile_llmenvs.core.chat import (
+    Completion,
+    FinishReason,
+    Generation,
+    Message,
+    Messages,
+    ToolCall,
+    Tools,
+)
 
 __all__ = [
     "AsyncTokenBackend",
@@ -26,14 +38,6 @@ __all__ = [
     "ToolCall",
     "Tools",
 ]
-
-Message = Mapping[str, Any]
-"""One chat message, OpenAI-shaped: ``{"role": ..., "content": ...}``."""
-Messages = Sequence[Message]
-Tools = Sequence[Mapping[str, Any]]
-"""Tool descriptions in OpenAI's function shape: ``{"type": "function", "function": {...}}``."""
-
-FinishReason = Literal["stop", "length", "tool_calls", "error"]
 
 
 @dataclass(frozen=True)
@@ -143,59 +147,6 @@ class TokenDistribution:
     def penalizes(self) -> bool:
         """Whether a repetition penalty applies."""
         return self.repetition_penalty != 1.0
-
-
-@dataclass(frozen=True)
-class Generation:
-    """What a token-level backend sampled for one prompt.
-
-    Attributes:
-        token_ids: The sampled ids, in order, including a final end-of-turn id when sampled.
-        logprobs: The model's log-probability of each sampled id (same length).
-        text: ``token_ids`` decoded, special tokens skipped, cut before any stop string.
-        finish_reason: ``"stop"`` (end-of-turn id or stop string) or ``"length"``.
-    """
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    text: str
-    finish_reason: FinishReason
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """A tool call the model asked for."""
-
-    name: str
-    arguments: Mapping[str, Any]
-    id: str | None = None
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One chat-level completion.
-
-    A request that failed past its retries is a value, not an exception that sinks the whole
-    batch: ``finish_reason == "error"`` and ``error`` says why.
-
-    Attributes:
-        text: The assistant's text.
-        finish_reason: Why generation ended.
-        tool_calls: Tool calls the model made, in order.
-        generation: The token-level result, from local backends only.
-        error: What went wrong, when ``finish_reason == "error"``.
-    """
-
-    text: str
-    finish_reason: FinishReason = "stop"
-    tool_calls: tuple[ToolCall, ...] = field(default=())
-    generation: Generation | None = None
-    error: str | None = None
-
-    @classmethod
-    def failed(cls, error: str) -> Completion:
-        """A completion standing for a request that failed."""
-        return cls(text="", finish_reason="error", error=error)
 
 
 @runtime_checkable

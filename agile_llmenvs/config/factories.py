@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import re
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from agile_llmenvs._run_files import CHECKPOINT_MODEL_DIR, CHECKPOINT_NAME, CHECKPOINT_PREFIX
 from agile_llmenvs.backends.api import APIConfig, RetryPolicy
 from agile_llmenvs.backends.types import Backend, SamplingParams
 from agile_llmenvs.config.models import (
@@ -22,7 +22,7 @@ from agile_llmenvs.core.text_env import TextEnvironment, from_text_env
 from agile_llmenvs.errors import BackendError, CheckpointError, EnvBuildError
 
 if TYPE_CHECKING:
-    from agile_llmenvs.llm_envs.contract import TextEnv
+    from agile_llmenvs.core import TextEnv
 
 __all__ = [
     "BackendFactory",
@@ -128,13 +128,10 @@ def _manifest_env_factory(path: str, split: Literal["train", "test"]) -> Callabl
             f"manifest: {path} plays a served env ({spec.source}); evaluate it with "
             "source: entry_point, or give the manifest dataset rows or an entrypoint"
         )
-    from agile_llmenvs.transport.resolve import text_env_factory
+    from agile_llmenvs.llm_envs.from_spec import text_env_factory
 
     # the rows of the split training made (its seed), or the entrypoint env as it trains
     return text_env_factory(spec, seed=manifest.seed or 0, split=split)
-
-
-_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 
 
 def model_directory(model: str) -> str:
@@ -158,10 +155,10 @@ def model_directory(model: str) -> str:
 
         return str(ensure_tiny_vlm())
     folder = Path(model)
-    if _CHECKPOINT.match(folder.name) and (folder / "model").is_dir():
-        return str(folder / "model")
-    if folder.is_dir() and any(p.name.startswith("checkpoint-") for p in folder.iterdir()):
-        from agile_llmenvs.training.checkpoint import find_checkpoint
+    if CHECKPOINT_NAME.match(folder.name) and (folder / CHECKPOINT_MODEL_DIR).is_dir():
+        return str(folder / CHECKPOINT_MODEL_DIR)
+    if folder.is_dir() and any(p.name.startswith(CHECKPOINT_PREFIX) for p in folder.iterdir()):
+        from agile_llmenvs.weights import find_checkpoint
 
         found = find_checkpoint(folder)
         if found is None:
@@ -169,7 +166,7 @@ def model_directory(model: str) -> str:
                 f"model: the run folder {model} has no complete checkpoint (only partial or "
                 "damaged ones); name a checkpoint-<step> folder, or train until one is saved"
             )
-        return str(found.directory / "model")
+        return str(found.directory / CHECKPOINT_MODEL_DIR)
     return model
 
 

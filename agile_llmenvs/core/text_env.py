@@ -24,14 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from agile_llmenvs.core.types import Action, EnvironmentSpec, State, StepResult
-from agile_llmenvs.errors import EnvExecutionError, StaleStateError
-from agile_llmenvs.llm_envs.contract import (
+from agile_llmenvs.core.contract import (
     SupportsDatasetSize,
     SupportsMaxTurns,
     SupportsTools,
     TextEnv,
 )
+from agile_llmenvs.core.types import Action, EnvironmentSpec, State, StepResult
+from agile_llmenvs.errors import EnvExecutionError, StaleStateError
 
 __all__ = ["TextEnvironment", "adopt_episode", "from_text_env", "render_action"]
 

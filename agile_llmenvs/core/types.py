@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from agile_llmenvs.backends.types import Completion, Message, ToolCall
+from agile_llmenvs.core.chat import Completion, Message, ToolCall
 
 __all__ = ["Action", "Environment", "EnvironmentSpec", "State", "StepResult"]
 

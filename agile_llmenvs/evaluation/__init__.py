@@ -14,15 +14,10 @@ from agile_llmenvs._lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from agile_llmenvs.evaluation.images import ImageChatBackend
+    from agile_llmenvs.evaluation.lockstep import Progress, ProgressCallback, StepCallback
     from agile_llmenvs.evaluation.multi import MultiEvalEntry, run_evaluation, run_multi_evaluation
     from agile_llmenvs.evaluation.results import BatchResult, StopReason, Trajectory, Turn
-    from agile_llmenvs.evaluation.runner import (
-        Progress,
-        ProgressCallback,
-        RunnerConfig,
-        StepCallback,
-        TrajectoryRunner,
-    )
+    from agile_llmenvs.evaluation.runner import RunnerConfig, TrajectoryRunner
     from agile_llmenvs.evaluation.segmented import (
         COMPLETE,
         ContinuationStrategy,
@@ -66,14 +61,14 @@ __getattr__, __dir__ = lazy_attributes(
         "ForceAction": "agile_llmenvs.evaluation.segmented",
         "ImageChatBackend": "agile_llmenvs.evaluation.images",
         "MultiEvalEntry": "agile_llmenvs.evaluation.multi",
-        "Progress": "agile_llmenvs.evaluation.runner",
-        "ProgressCallback": "agile_llmenvs.evaluation.runner",
+        "Progress": "agile_llmenvs.evaluation.lockstep",
+        "ProgressCallback": "agile_llmenvs.evaluation.lockstep",
         "RunnerConfig": "agile_llmenvs.evaluation.runner",
         "SegmentBudget": "agile_llmenvs.evaluation.segmented",
         "SegmentContext": "agile_llmenvs.evaluation.segmented",
         "SegmentSignal": "agile_llmenvs.evaluation.segmented",
         "SegmentedTrajectoryRunner": "agile_llmenvs.evaluation.segmented",
-        "StepCallback": "agile_llmenvs.evaluation.runner",
+        "StepCallback": "agile_llmenvs.evaluation.lockstep",
         "StopReason": "agile_llmenvs.evaluation.results",
         "Trajectory": "agile_llmenvs.evaluation.results",
         "TrajectoryRunner": "agile_llmenvs.evaluation.runner",

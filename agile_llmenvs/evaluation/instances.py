@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 from agile_llmenvs.core.types import Action, Environment, State
 from agile_llmenvs.errors import EvaluationError
-from agile_llmenvs.evaluation.results import BatchResult, StopReason
-from agile_llmenvs.evaluation.runner import (
+from agile_llmenvs.evaluation.lockstep import (
+    LockstepRunner,
     ProgressCallback,
     ProgressCounter,
     Rollout,
@@ -24,15 +23,13 @@ from agile_llmenvs.evaluation.runner import (
     for_each,
     run_lockstep,
 )
-
-if TYPE_CHECKING:
-    from agile_llmenvs.evaluation.runner import TrajectoryRunner
+from agile_llmenvs.evaluation.results import BatchResult, StopReason
 
 __all__ = ["run_from_states"]
 
 
 def run_from_states(
-    runner: TrajectoryRunner,
+    runner: LockstepRunner,
     states: Sequence[State],
     actions: Sequence[Action] | None,
     batch_size: int | None,
@@ -66,7 +63,7 @@ def run_from_states(
 
 
 def _run_instances(
-    runner: TrajectoryRunner,
+    runner: LockstepRunner,
     states: list[State],
     actions: list[Action] | None,
     progress: ProgressCounter,
@@ -82,7 +79,7 @@ def _run_instances(
 
 
 def _drive(
-    runner: TrajectoryRunner,
+    runner: LockstepRunner,
     states: list[State],
     actions: list[Action] | None,
     progress: ProgressCounter,
@@ -118,7 +115,7 @@ def _drive(
         return runner.collect(rollouts)
 
 
-def _rollout(runner: TrajectoryRunner, state: State) -> Rollout:
+def _rollout(runner: LockstepRunner, state: State) -> Rollout:
     task = state.task
     task_index = int(task.get("row_index", task.get("task_index", -1)))
     rollout = Rollout(runner, task_index, state=state, base_steps=state.step_count)
@@ -130,7 +127,7 @@ def _rollout(runner: TrajectoryRunner, state: State) -> Rollout:
 
 
 def _force(
-    runner: TrajectoryRunner,
+    runner: LockstepRunner,
     rollouts: list[Rollout],
     actions: list[Action] | None,
     pool: ThreadPoolExecutor | None,

@@ -8,17 +8,16 @@ from dataclasses import dataclass, replace
 from agile_llmenvs.backends.types import Backend, SamplingParams
 from agile_llmenvs.core.types import Environment
 from agile_llmenvs.errors import EvaluationError
-from agile_llmenvs.evaluation.results import BatchResult
-from agile_llmenvs.evaluation.runner import (
+from agile_llmenvs.evaluation.lockstep import (
     ProgressCallback,
     ProgressCounter,
     Rollout,
-    RunnerConfig,
     StepCallback,
-    TrajectoryRunner,
     chunked,
     run_lockstep,
 )
+from agile_llmenvs.evaluation.results import BatchResult
+from agile_llmenvs.evaluation.runner import RunnerConfig, TrajectoryRunner
 
 __all__ = ["MultiEvalEntry", "run_evaluation", "run_multi_evaluation"]
 

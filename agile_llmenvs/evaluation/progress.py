@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from agile_llmenvs.evaluation.runner import Progress
+from agile_llmenvs.evaluation.lockstep import Progress
 
 __all__ = ["ProgressDisplay", "format_progress"]
 

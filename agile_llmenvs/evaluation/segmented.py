@@ -16,15 +16,9 @@ from typing import Protocol
 
 from agile_llmenvs.backends.types import Backend, Completion, Message, SamplingParams
 from agile_llmenvs.core.types import Environment
+from agile_llmenvs.evaluation.lockstep import ProgressCallback, ProgressCounter, Rollout, chunked
 from agile_llmenvs.evaluation.results import BatchResult
-from agile_llmenvs.evaluation.runner import (
-    ProgressCallback,
-    ProgressCounter,
-    Rollout,
-    RunnerConfig,
-    TrajectoryRunner,
-    chunked,
-)
+from agile_llmenvs.evaluation.runner import RunnerConfig, TrajectoryRunner
 
 __all__ = [
     "COMPLETE",

@@ -10,13 +10,12 @@ from contextlib import contextmanager, suppress
 from functools import partial
 from typing import Any
 
+from agile_llmenvs.core import EpisodeData, failed_episode
 from agile_llmenvs.errors import EnvBuildError, EnvStateError, OptionalDependencyError
 from agile_llmenvs.llm_envs.collector import Generate
-from agile_llmenvs.llm_envs.episode import EpisodeData
 from agile_llmenvs.llm_envs.harness import RolloutHarness
 from agile_llmenvs.llm_envs.image_framing import content_text
 from agile_llmenvs.llm_envs.tasks import Task
-from agile_llmenvs.llm_envs.trajectory import failed_episode
 
 __all__ = ["EnvSlots", "Messages", "check_sampling", "first_prompt", "trainer_policy"]
 
@@ -166,7 +165,7 @@ def trainer_policy(
         raise OptionalDependencyError("trl", extra="trl", feature="TRLEnv") from exc
     from agile_llmenvs.backends.hf import HFBackend
     from agile_llmenvs.backends.types import SamplingParams
-    from agile_llmenvs.training.sampling import Sampler
+    from agile_llmenvs.training.generation import Sampler
 
     check_sampling(trainer)
     args = trainer.args

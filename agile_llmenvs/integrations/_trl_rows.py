@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agile_llmenvs.llm_envs.episode import EpisodeData, StopReason, TokenSample
+from agile_llmenvs.core import EpisodeData, StopReason, TokenSample
 from agile_llmenvs.llm_envs.tasks import Task
 
 __all__ = ["GroupRows", "PlayedEpisode", "TRLRow", "columns", "masked_row", "sample_row"]

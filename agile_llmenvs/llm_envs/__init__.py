@@ -1,21 +1,32 @@
-"""The text-env runtime: the TextEnv contract, OpenEnv transport, rollouts and dataset envs."""
+"""The text-env runtime: rollouts over the TextEnv contract, OpenEnv transport, dataset envs.
+
+The contract (:class:`TextEnv`) and the episode records (:class:`EpisodeData`,
+:class:`Trajectory`, ...) are the core vocabulary (:mod:`agile_llmenvs.core`), exported here
+too.
+"""
 
 from __future__ import annotations
 
-from agile_llmenvs.llm_envs.collector import EpisodeHandle, RolloutCollector
-from agile_llmenvs.llm_envs.contract import (
+from agile_llmenvs.core import (
+    EpisodeData,
+    RolloutBatch,
+    StopReason,
     SupportsDatasetSize,
     SupportsMaxTurns,
     SupportsSnapshot,
     SupportsTools,
+    Task,
     TextEnv,
+    TokenSample,
+    Trajectory,
+    TurnResult,
 )
+from agile_llmenvs.llm_envs.collector import EpisodeHandle, RolloutCollector
 from agile_llmenvs.llm_envs.dataset_env import DatasetEnv, PreferenceBatch, SFTBatch
-from agile_llmenvs.llm_envs.episode import EpisodeData, StopReason, TokenSample, TurnResult
 from agile_llmenvs.llm_envs.framing import ChatTemplateError, apply_chat_template
 from agile_llmenvs.llm_envs.harness import HarnessConfig, RolloutHarness
-from agile_llmenvs.llm_envs.tasks import Task, TaskAssigner, TaskRowStats, TaskRowWeight
-from agile_llmenvs.llm_envs.trajectory import RolloutBatch, Trajectory
+from agile_llmenvs.llm_envs.slots import SlotPool
+from agile_llmenvs.llm_envs.tasks import TaskAssigner, TaskRowStats, TaskRowWeight
 from agile_llmenvs.transport import (
     EnvReply,
     InProcessEnvClient,
@@ -43,6 +54,7 @@ __all__ = [
     "RolloutCollector",
     "RolloutHarness",
     "SFTBatch",
+    "SlotPool",
     "StopReason",
     "SupportsDatasetSize",
     "SupportsMaxTurns",

@@ -2,30 +2,27 @@
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import time
+import asyncio
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from agile_llmenvs.core.images import ImagePrompt
-from agile_llmenvs.errors import SlotTimeoutError, StaleEpisodeError
-from agile_llmenvs.llm_envs.continuous import ContinuousRollouts
-from agile_llmenvs.llm_envs.episode import EpisodeData, TurnResult
-from agile_llmenvs.llm_envs.harness import RolloutHarness
-from agile_llmenvs.llm_envs.tasks import Task, TaskAssigner, check_rank
-from agile_llmenvs.llm_envs.trajectory import (
-    BatchBuilder,
+from agile_llmenvs.core import (
+    ImagePrompt,
     RolloutBatch,
+    Task,
     Trajectory,
+    TurnResult,
     failed_episode,
     finished_rewards,
 )
-from agile_llmenvs.transport.calls import CallPolicy
-from agile_llmenvs.transport.client import InProcessEnvClient
+from agile_llmenvs.errors import StaleEpisodeError
+from agile_llmenvs.llm_envs.batch_builder import BatchBuilder
+from agile_llmenvs.llm_envs.continuous import ContinuousRollouts
+from agile_llmenvs.llm_envs.harness import RolloutHarness
+from agile_llmenvs.llm_envs.slots import SlotPool
+from agile_llmenvs.llm_envs.tasks import TaskAssigner, check_rank
 from agile_llmenvs.transport.session_loop import SESSION_LOOP
 
 if TYPE_CHECKING:  # llm_envs does not import the backends layer
@@ -52,24 +49,17 @@ class EpisodeHandle:
     done: bool = False
 
 
-@dataclass
-class _Slot:
-    harness: RolloutHarness | None = None
-    episode_id: int | None = None  # held by this episode (per-episode path)
-    in_flight: bool = False
-    release_pending: bool = False
-    failure: str | None = None
-
-
 class RolloutCollector:
     """Batched collector over one rank's share of a global batch.
 
     ``batch_size`` is the world-wide group count; this rank holds ``(batch_size /
-    world_size) * group_size`` harness slots, built lazily from ``env_factory``. Drive it
-    lock-step (:meth:`reset` / :meth:`step` / :meth:`get_trajectories`, or :meth:`collect`
-    with a policy) or per episode (:meth:`reset_episode` / :meth:`step_episode` /
-    :meth:`finalize_episode`, thread-safe). Env calls of all slots run concurrently; a slot
-    whose env call exceeds ``io_timeout_s`` is closed and replaced, and only its episode fails.
+    world_size) * group_size`` harness slots (:attr:`slots`, a :class:`SlotPool`), built
+    lazily from ``env_factory``. Drive it lock-step (:meth:`reset` / :meth:`step` /
+    :meth:`get_trajectories`, or :meth:`collect` with a policy), continuously
+    (:meth:`collect_continuous`, :meth:`aplay_group`) or per episode (:meth:`reset_episode` /
+    :meth:`step_episode` / :meth:`finalize_episode`, thread-safe). Env calls of all slots run
+    concurrently; a slot whose env call exceeds ``io_timeout_s`` is closed and replaced, and
+    only its episode fails.
 
     Args:
         env_factory: Builds one :class:`RolloutHarness` (called with ``**env_config``).
@@ -110,21 +100,29 @@ class RolloutCollector:
             )
         self.env_factory, self.env_config = env_factory, dict(env_config or {})
         self.group_size, self.groups = group_size, batch_size // world_size
-        self.io_timeout_s, self.slot_acquire_timeout_s = io_timeout_s, slot_acquire_timeout_s
+        self.slot_acquire_timeout_s = slot_acquire_timeout_s
         self.rank, self.world_size, self.base_seed = rank, world_size, base_seed
         self.adaptive = adaptive_task_sampling
         self.num_slots = self.groups * group_size
-        self._slots = [_Slot() for _ in range(self.num_slots)]
-        self._pool = ThreadPoolExecutor(2 * self.num_slots, thread_name_prefix="rollout-slot")
-        self._calls = CallPolicy("auto")
-        self._calls.always_threaded.add(_RemoteCalls)
+        self.slots = SlotPool(self.num_slots, self._build_harness, io_timeout_s=io_timeout_s)
         self._assigner: TaskAssigner | None = None
+        self._assigner_lock = asyncio.Lock()  # the continuous path's awaited first build
         self._tasks: list[Task] = []
-        self._lock = threading.Condition()
-        self._next_episode = 0
         self._open_group: tuple[int, Task, int] | None = None  # (group, task, members left)
         self._group_counter = 0
-        self._continuous = ContinuousRollouts(self)
+        self._continuous = ContinuousRollouts(self.slots, self.groups, self.group_size)
+
+    @property
+    def io_timeout_s(self) -> float | None:
+        """Longest an env call may take (None: unbounded)."""
+        return self.slots.io_timeout_s
+
+    @io_timeout_s.setter
+    def io_timeout_s(self, value: float | None) -> None:
+        self.slots.io_timeout_s = value
+
+    def _build_harness(self) -> RolloutHarness:
+        return self.env_factory(**self.env_config)
 
     # -- AgileRL's names -----------------------------------------------------------------------
 
@@ -142,7 +140,7 @@ class RolloutCollector:
     def check_env(self) -> None:
         """Build the first slot's env now (it plays that slot's first episode), so a mistake
         in the env's construction fails while a run sets up rather than at its first step."""
-        self._harness(0)
+        self.slots.harness(0)
 
     @property
     def envs(self) -> list[RolloutHarness]:
@@ -151,7 +149,7 @@ class RolloutCollector:
         A new list each time: a slot whose env timed out gets a fresh harness on its next
         use, so hold slot indices rather than this list.
         """
-        return [self._harness(i) for i in range(self.num_slots)]
+        return [self.slots.harness(i) for i in range(self.num_slots)]
 
     # -- tasks -------------------------------------------------------------------------------
 
@@ -159,7 +157,7 @@ class RolloutCollector:
     def assigner(self) -> TaskAssigner:
         """The task assigner (built on first use, from the env's ``dataset_size``)."""
         if self._assigner is None:
-            self._set_assigner(self._harness(0).dataset_size())
+            self._set_assigner(self.slots.harness(0).dataset_size())
         assert self._assigner is not None
         return self._assigner
 
@@ -171,6 +169,17 @@ class RolloutCollector:
             world_size=self.world_size,
             adaptive=self.adaptive,
         )
+
+    async def _aassigner(self) -> TaskAssigner:
+        """The task assigner, built with an awaited ``dataset_size`` on the continuous path
+        (a blocking one would put slot 0's remote session on a blocking connection, or stall
+        the session loop)."""
+        async with self._assigner_lock:
+            if self._assigner is None:
+                harness = self.slots.harness(0)  # a factory that fails here fails the batch
+                harness.async_calls = self._continuous.env_calls
+                self._set_assigner(await harness.adataset_size())
+        return self.assigner
 
     @property
     def num_epochs(self) -> int:
@@ -192,25 +201,21 @@ class RolloutCollector:
         (empty for a slot whose env failed)."""
         assigner = self.assigner
         self._tasks = [assigner.next_task() for _ in range(self.groups)]
-        for slot in self._slots:
-            slot.failure = None
+        for index in range(self.num_slots):
+            self.slots[index].failure = None
         calls = {i: self._reset_call(i) for i in range(self.num_slots)}
-        prompts = self._run(calls)
+        prompts = self.slots.run(calls)
         return [prompts.get(i) or [] for i in range(self.num_slots)]
 
     @property
     def live_slots(self) -> list[int]:
         """Slots whose episode is still running."""
-        return [
-            i
-            for i, slot in enumerate(self._slots)
-            if slot.failure is None and slot.harness is not None and not slot.harness.done
-        ]
+        return self.slots.live()
 
     def contexts(self) -> dict[int, list[int]]:
         """Each live slot's context: the prompt of its next generation (an
         :class:`~agile_llmenvs.core.images.ImagePrompt` when it shows images)."""
-        return {i: _context(self._harness(i)) for i in self.live_slots}
+        return {i: _context(self.slots.harness(i)) for i in self.live_slots}
 
     def step(
         self,
@@ -220,16 +225,17 @@ class RolloutCollector:
         """Play one turn on every slot in ``completions`` (live slots only), concurrently."""
         logps = sampling_logps or {}
         calls: dict[int, Callable[[], Any]] = {
-            i: partial(self._harness(i).step, ids, logps.get(i)) for i, ids in completions.items()
+            i: partial(self.slots.harness(i).step, ids, logps.get(i))
+            for i, ids in completions.items()
         }
-        return self._run(calls)
+        return self.slots.run(calls)
 
     def get_trajectories(self) -> list[Trajectory]:
         """Every slot's trajectory, in contiguous groups (a failed env gives a failed value)."""
         trajectories = []
         for i in range(self.num_slots):
             group = i // self.group_size
-            episode = self._slot_episode(i, "collected before it ended")
+            episode = self.slots.episode(i, "collected before it ended")
             trajectories.append(Trajectory(group, i, self._tasks[group], episode))
         return trajectories
 
@@ -271,7 +277,7 @@ class RolloutCollector:
         self.reset()
         while live := self.contexts():
             if observe is not None:
-                observe({i: self._harness(i) for i in live})
+                observe({i: self.slots.harness(i) for i in live})
             slots = list(live)
             outputs = generate([live[i] for i in slots])
             completions, logps = {}, {}
@@ -316,11 +322,14 @@ class RolloutCollector:
         raises or outlives ``io_timeout_s``, and a request that raises
         :class:`~agile_llmenvs.errors.GenerationServerError`, fail only their episode.
         """
-        return SESSION_LOOP.run(
-            self._continuous.collect(
-                backend, params, dynamic_sampling=dynamic_sampling, max_attempts=max_attempts
-            )
-        )
+        builder = self._batch_builder(dynamic_sampling, max_attempts)
+        return SESSION_LOOP.run(self._collect_continuous(builder, backend, params))
+
+    async def _collect_continuous(
+        self, builder: BatchBuilder, backend: AsyncTokenBackend, params: SamplingParams
+    ) -> RolloutBatch:
+        assigner = await self._aassigner()
+        return await self._continuous.collect(builder, assigner.next_task, backend, params)
 
     async def aplay_group(
         self, backend: AsyncTokenBackend, params: SamplingParams
@@ -330,7 +339,8 @@ class RolloutCollector:
         served in the order they asked). Must run on the session loop
         (:data:`~agile_llmenvs.transport.session_loop.SESSION_LOOP`).
         """
-        return await self._continuous.next_group(backend, params)
+        assigner = await self._aassigner()
+        return await self._continuous.next_group(backend, params, assigner.next_task)
 
     # -- per-episode path --------------------------------------------------------------------
 
@@ -340,23 +350,15 @@ class RolloutCollector:
         Raises:
             SlotTimeoutError: no slot became free within ``slot_acquire_timeout_s``.
         """
-        with self._lock:
-            ok = self._lock.wait_for(
-                lambda: any(s.episode_id is None for s in self._slots),
-                timeout=self.slot_acquire_timeout_s,
-            )
-            if not ok:
-                raise SlotTimeoutError(
-                    f"no rollout slot became free within {self.slot_acquire_timeout_s} s"
-                )
-            index = next(i for i, s in enumerate(self._slots) if s.episode_id is None)
-            episode_id, self._next_episode = self._next_episode, self._next_episode + 1
+        pool = self.slots
+        with pool.lock:
+            index = pool.wait_free(self.slot_acquire_timeout_s)
+            episode_id = pool.number_episodes()
             group, task = self._group_member()
-            slot = self._slots[index]
-            slot.episode_id, slot.failure, slot.release_pending = episode_id, None, False
-        prompts = self._run({index: self._reset_call(index, task)})
+            pool.hold(index, episode_id)
+        prompts = pool.run({index: self._reset_call(index, task)})
         prompt = prompts.get(index) or []
-        done = slot.failure is not None or self._harness(index).done
+        done = pool[index].failure is not None or pool.harness(index).done
         return EpisodeHandle(index, episode_id, group, task, prompt, done)
 
     def step_episode(
@@ -370,19 +372,20 @@ class RolloutCollector:
         Raises:
             StaleEpisodeError: the episode was finalized (before or during this call).
         """
-        slot = self._slots[handle.slot]
-        with self._lock:
+        pool = self.slots
+        slot = pool[handle.slot]
+        with pool.lock:
             self._check_current(handle)
             slot.in_flight = True
-        harness = self._harness(handle.slot)
+        harness = pool.harness(handle.slot)
         try:
-            results = self._run({handle.slot: lambda: harness.step(completion_ids, sampling_logps)})
+            results = pool.run({handle.slot: lambda: harness.step(completion_ids, sampling_logps)})
         finally:
-            with self._lock:
+            with pool.lock:
                 slot.in_flight = False
                 stale = slot.episode_id != handle.episode_id or slot.release_pending
                 if slot.release_pending:
-                    self._release(handle.slot)
+                    pool.release(handle.slot)
         if stale:
             raise StaleEpisodeError(
                 f"episode {handle.episode_id} was finalized while its "
@@ -394,25 +397,17 @@ class RolloutCollector:
 
     def finalize_episode(self, handle: EpisodeHandle) -> Trajectory:
         """End the handle's episode, release its slot and return its trajectory."""
-        with self._lock:
+        pool = self.slots
+        with pool.lock:
             self._check_current(handle)
-            slot = self._slots[handle.slot]
+            slot = pool[handle.slot]
             if slot.in_flight:  # the step's thread owns the harness: release when it returns
                 slot.release_pending = True
                 episode = failed_episode("finalized while a step was in flight")
                 return Trajectory(handle.group, handle.slot, handle.task, episode)
-            episode = self._slot_episode(handle.slot, "finalized before it ended")
-            self._release(handle.slot)
+            episode = pool.episode(handle.slot, "finalized before it ended")
+            pool.release(handle.slot)
         return Trajectory(handle.group, handle.slot, handle.task, episode)
-
-    def _slot_episode(self, index: int, abort_reason: str) -> EpisodeData:
-        """The slot's episode data; a running episode is aborted, a failed slot's is a value."""
-        slot = self._slots[index]
-        if slot.failure is not None or slot.harness is None:
-            return failed_episode(slot.failure or "the slot has no env")
-        if not slot.harness.done:
-            slot.harness.abort(abort_reason)
-        return slot.harness.get_episode_data()
 
     def _group_member(self) -> tuple[int, Task]:
         if self._open_group is None or self._open_group[2] == 0:
@@ -423,107 +418,27 @@ class RolloutCollector:
         return group, task
 
     def _check_current(self, handle: EpisodeHandle) -> None:
-        slot = self._slots[handle.slot]
+        slot = self.slots[handle.slot]
         if slot.episode_id != handle.episode_id or slot.release_pending:
             raise StaleEpisodeError(
                 f"episode {handle.episode_id} is no longer on slot {handle.slot}; it was finalized"
             )
 
-    def _release(self, index: int) -> None:
-        slot = self._slots[index]
-        slot.episode_id, slot.release_pending = None, False
-        self._lock.notify_all()
-
-    # -- slots and env calls -----------------------------------------------------------------
-
-    def _harness(self, index: int) -> RolloutHarness:
-        slot = self._slots[index]
-        if slot.harness is None:
-            slot.harness = self.env_factory(**self.env_config)
-        return slot.harness
+    # -- slots -------------------------------------------------------------------------------
 
     def _reset_call(self, index: int, task: Task | None = None) -> Callable[[], list[int]]:
         task = task or self._tasks[index // self.group_size]
-        return lambda: self._harness(index).reset(**task.reset_kwargs())
-
-    def _run(self, calls: dict[int, Callable[[], Any]]) -> dict[int, Any]:
-        """Run each slot's env call; a call that raises or outlives ``io_timeout_s`` fails its
-        slot (recorded, not raised).
-
-        Calls run concurrently on worker threads, which enforce the timeout. A hop to a worker
-        costs more than a fast in-process env's whole turn, so an in-process env class that
-        has shown its calls are fast runs inline instead (see
-        :class:`~agile_llmenvs.transport.calls.CallPolicy`); a few slow inline calls in a row
-        send it back to the threads.
-        """
-        inline = {i: c for i, c in calls.items() if self._calls.inline(self._env_class(i))}
-        futures: dict[int, Future[Any]] = {
-            i: self._pool.submit(self._timed, i, c, False)
-            for i, c in calls.items()
-            if i not in inline
-        }
-        results = {}
-        for index, call in inline.items():
-            try:
-                results[index] = self._timed(index, call, True)
-            except Exception as exc:
-                self._slots[index].failure = f"{type(exc).__name__}: {exc}"
-        done, _ = wait(futures.values(), timeout=self.io_timeout_s)
-        for index, future in futures.items():
-            if future not in done:
-                self._replace(index, f"the env call exceeded io_timeout_s={self.io_timeout_s}")
-            elif (error := future.exception()) is not None:
-                self._slots[index].failure = f"{type(error).__name__}: {error}"
-            else:
-                results[index] = future.result()
-        return results
-
-    def _timed(self, index: int, call: Callable[[], Any], inline: bool) -> Any:
-        env_class = self._env_class(index)
-        start = time.perf_counter()
-        try:
-            return call()
-        finally:
-            self._calls.record(env_class, time.perf_counter() - start)
-
-    def _env_class(self, index: int) -> type:
-        """The class whose calls the policy judges: an in-process env's, else the client's
-        (remote calls always go to threads: their waiting is what runs concurrently)."""
-        client = self._harness(index).client
-        if isinstance(client, InProcessEnvClient):
-            env = client.env
-            return type(getattr(env, "inner", env))
-        return _RemoteCalls
-
-    def _replace(self, index: int, reason: str) -> None:
-        slot = self._slots[index]
-        slot.failure = reason
-        hung, slot.harness = slot.harness, None  # a fresh env is built on the slot's next use
-        if hung is not None:
-            self._pool.submit(_close_quietly, hung)
+        return lambda: self.slots.harness(index).reset(**task.reset_kwargs())
 
     def close(self) -> None:
         """Close every slot's env."""
-        for slot in self._slots:
-            if slot.harness is not None:
-                _close_quietly(slot.harness)
-                slot.harness = None
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-class _RemoteCalls:
-    """Stands for every env reached over the wire: its calls always run on threads."""
+        self.slots.close()
 
 
 def _context(harness: RolloutHarness) -> list[int]:
     """The harness's next prompt, with the images it shows."""
     images = harness.context_images
     return harness.context_ids if images is None else ImagePrompt(harness.context_ids, images)
-
-
-def _close_quietly(harness: RolloutHarness) -> None:
-    with contextlib.suppress(Exception):
-        harness.close()
 
 
 def _distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:

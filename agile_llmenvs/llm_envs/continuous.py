@@ -7,7 +7,7 @@ slot. Here every episode is its own task on the session loop
 :class:`~agile_llmenvs.backends.types.AsyncTokenBackend` that takes one prompt per request
 (a ``vllm serve`` batches the requests in flight itself). A remote env's calls are awaited on
 that same loop, so a thousand slots need no thread each; an in-process env's blocking calls
-run on the collector's pool, or inline once its class has shown them fast
+run on the slot pool's threads, or inline once its class has shown them fast
 (:class:`~agile_llmenvs.llm_envs.actions.AsyncEnvCalls`).
 
 Failures stay with their episode, as on the lock-step path: an env call that raises, or
@@ -22,20 +22,19 @@ import asyncio
 import contextlib
 import hashlib
 from collections import deque
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, TypeVar
 
+from agile_llmenvs.core import EpisodeData, RolloutBatch, Task, Trajectory, failed_episode
 from agile_llmenvs.errors import GenerationServerError
 from agile_llmenvs.llm_envs.actions import AsyncEnvCalls
-from agile_llmenvs.llm_envs.episode import EpisodeData
+from agile_llmenvs.llm_envs.batch_builder import BatchBuilder
 from agile_llmenvs.llm_envs.harness import RolloutHarness
-from agile_llmenvs.llm_envs.tasks import Task
-from agile_llmenvs.llm_envs.trajectory import RolloutBatch, Trajectory, failed_episode
+from agile_llmenvs.llm_envs.slots import SlotPool
 
 if TYPE_CHECKING:  # llm_envs does not import the backends layer
     from agile_llmenvs.backends.types import AsyncTokenBackend, SamplingParams
-    from agile_llmenvs.llm_envs.collector import RolloutCollector
 
 __all__ = ["ContinuousRollouts", "request_seed"]
 
@@ -56,50 +55,48 @@ class _EpisodeFailed(Exception):
 
 
 class ContinuousRollouts:
-    """The collector's continuous path (see the module docstring); every method runs on the
-    session loop.
+    """The collector's continuous path (see the module docstring) over its slot pool; every
+    method runs on the session loop.
 
     Slots are taken a group at a time, first come first served: a group waits (awaiting, not
     polling) until ``group_size`` slots are free, and holds them until its last member ends.
 
     Args:
-        collector: The collector whose slots, task assigner and call policy are used.
+        slots: The slots episodes play on (their env calls, their episode numbers).
+        groups: Groups per round of a batch.
+        group_size: Episodes per group, sharing one task.
     """
 
-    def __init__(self, collector: RolloutCollector) -> None:
-        self.collector = collector
-        self.env_calls = AsyncEnvCalls(collector._calls, collector._pool)
+    def __init__(self, slots: SlotPool, groups: int, group_size: int) -> None:
+        self.slots = slots
+        self.groups, self.group_size = groups, group_size
+        self.env_calls = AsyncEnvCalls(slots.calls, slots.executor)
         self._waiting: deque[tuple[int, asyncio.Future[list[int]]]] = deque()
         self._groups_started = 0
-        self._assigner_lock = asyncio.Lock()
 
     async def collect(
         self,
+        builder: BatchBuilder,
+        next_task: Callable[[], Task],
         backend: AsyncTokenBackend,
         params: SamplingParams,
-        *,
-        dynamic_sampling: bool,
-        max_attempts: int,
     ) -> RolloutBatch:
-        """A whole batch, every group of a round played at once (see
-        :meth:`RolloutCollector.collect_continuous`)."""
-        collector = self.collector
-        await self._ensure_assigner()
-        builder = collector._batch_builder(dynamic_sampling, max_attempts)
+        """The batch ``builder`` assembles, every group of a round played at once, on the
+        tasks ``next_task`` draws (see :meth:`RolloutCollector.collect_continuous`)."""
         while builder.wants_round():
-            tasks = [collector.assigner.next_task() for _ in range(collector.groups)]
+            tasks = [next_task() for _ in range(self.groups)]
             played = [self.play_group(backend, params, task, g) for g, task in enumerate(tasks)]
             builder.add_round(await _all(played))
         return builder.batch()
 
     async def next_group(
-        self, backend: AsyncTokenBackend, params: SamplingParams
+        self, backend: AsyncTokenBackend, params: SamplingParams, next_task: Callable[[], Task]
     ) -> tuple[Trajectory, ...]:
-        """The next task's group (see :meth:`RolloutCollector.aplay_group`)."""
-        await self._ensure_assigner()
+        """The group of the task ``next_task`` draws now (see
+        :meth:`RolloutCollector.aplay_group`)."""
         group = self._groups_started
         self._groups_started += 1
-        return await self.play_group(backend, params, self.collector.assigner.next_task(), group)
+        return await self.play_group(backend, params, next_task(), group)
 
     async def play_group(
         self, backend: AsyncTokenBackend, params: SamplingParams, task: Task, group: int
@@ -109,11 +106,8 @@ class ContinuousRollouts:
         Episode numbers (which seed the requests) are taken before the slots are awaited, so
         they follow the order groups were started in.
         """
-        collector = self.collector
-        with collector._lock:
-            first = collector._next_episode
-            collector._next_episode += collector.group_size
-        slots = await self._acquire(collector.group_size)
+        first = self.slots.number_episodes(self.group_size)
+        slots = await self._acquire(self.group_size)
         try:
             played = await _all(
                 [self._episode(backend, params, s, task, first + m) for m, s in enumerate(slots)]
@@ -164,14 +158,14 @@ class ContinuousRollouts:
     async def _env_call(self, slot: int, call: Awaitable[T]) -> T:
         """Await an env call of ``slot``; one that raises or outlives ``io_timeout_s`` fails
         the episode (a timed-out slot gets a fresh env, as on the lock-step path)."""
-        timeout_s = self.collector.io_timeout_s
+        timeout_s = self.slots.io_timeout_s
         try:
             async with asyncio.timeout(timeout_s) as deadline:
                 return await call
         except Exception as exc:
             if isinstance(exc, TimeoutError) and deadline.expired():
                 reason = f"the env call exceeded io_timeout_s={timeout_s}"
-                self.collector._replace(slot, reason)
+                self.slots.replace(slot, reason)
                 raise _EpisodeFailed(reason) from None
             raise _EpisodeFailed(f"{type(exc).__name__}: {exc}") from exc
 
@@ -180,27 +174,17 @@ class ContinuousRollouts:
         build would leave a thread per slot behind); its blocking env calls then run through
         this path's pool and call policy."""
         try:
-            harness = self.collector._harness(slot)
+            harness = self.slots.harness(slot)
         except Exception as exc:
             raise _EpisodeFailed(f"{type(exc).__name__}: {exc}") from exc
         harness.async_calls = self.env_calls
         return harness
 
-    async def _ensure_assigner(self) -> None:
-        """Build the task assigner with an awaited ``dataset_size`` (a blocking one would put
-        slot 0's remote session on a blocking connection, or stall the loop)."""
-        collector = self.collector
-        async with self._assigner_lock:
-            if collector._assigner is None:
-                harness = collector._harness(0)  # a factory that fails here fails the batch
-                harness.async_calls = self.env_calls
-                collector._set_assigner(await harness.adataset_size())
-
     # -- slots -------------------------------------------------------------------------------
 
     async def _acquire(self, count: int) -> list[int]:
         """Hold ``count`` free slots, waiting behind the groups that asked first."""
-        if not self._waiting and (slots := self._take(count)) is not None:
+        if not self._waiting and (slots := self.slots.take(count)) is not None:
             return slots
         waiter: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
         self._waiting.append((count, waiter))
@@ -213,27 +197,16 @@ class ContinuousRollouts:
                 self._waiting.remove((count, waiter))
             raise
 
-    def _take(self, count: int) -> list[int] | None:
-        collector = self.collector
-        with collector._lock:
-            free = [i for i, s in enumerate(collector._slots) if s.episode_id is None]
-            if len(free) < count:
-                return None
-            for index in free[:count]:  # held as the per-episode path holds a slot
-                collector._slots[index].episode_id = -1
-            return free[:count]
-
     def _release(self, slots: list[int]) -> None:
-        collector = self.collector
-        with collector._lock:
+        with self.slots.lock:
             for index in slots:
-                collector._release(index)
+                self.slots.release(index)
         while self._waiting:
             count, waiter = self._waiting[0]
             if waiter.done():
                 self._waiting.popleft()
                 continue
-            taken = self._take(count)
+            taken = self.slots.take(count)
             if taken is None:
                 return
             self._waiting.popleft()

@@ -1,26 +1,27 @@
-"""Build a RolloutHarness from a URL, an entrypoint string, or an LLMEnvSpec, and find the
-turn budget of an env the manifest gives none."""
+"""What an LLMEnvSpec (or a URL, or an entrypoint string) builds: the arguments of its
+RolloutHarness, a factory of its text envs, and the turn budget of an env the manifest gives
+none."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 from agile_llmenvs._imports import load_object
+from agile_llmenvs.core import TextEnv
 from agile_llmenvs.errors import EnvBuildError
 from agile_llmenvs.specs import LLMEnvSpec
 from agile_llmenvs.transport._openenv import Environment
-from agile_llmenvs.transport.client import InProcessEnvClient
+from agile_llmenvs.transport.client import EnvClientProtocol, InProcessEnvClient
 from agile_llmenvs.transport.remote import RemoteEnvClient
 from agile_llmenvs.transport.resolve import ensure_env_packages, env_factory, load_entrypoint
 
-if TYPE_CHECKING:
-    from agile_llmenvs.llm_envs.harness import RolloutHarness
-
 __all__ = [
     "env_turn_budget",
-    "harness_from_spec",
+    "harness_arguments",
     "served_turn_budget",
     "spec_settings",
+    "text_env_factory",
     "unknown_turn_budget",
 ]
 
@@ -106,15 +107,65 @@ def unknown_turn_budget(where: str) -> EnvBuildError:
     )
 
 
-def harness_from_spec(
-    cls: type[RolloutHarness],
-    spec: LLMEnvSpec | str,
-    tokenizer: Any,
+def text_env_factory(
+    spec: LLMEnvSpec,
     *,
+    seed: int = 0,
+    split: Literal["train", "test"] = "train",
     allow_install: bool = False,
-    **settings: Any,
-) -> RolloutHarness:
-    """Build one harness: a URL is reached over a WebSocket session, an entrypoint is built
+) -> Callable[[], TextEnv]:
+    """A zero-argument callable building a fresh text env of a rollout spec per call: what a
+    server hosts for it, and what an eval of a training manifest plays.
+
+    An ``entrypoint`` env is built as :func:`~agile_llmenvs.transport.resolve.env_factory`
+    builds it (after its ``env_packages`` are checked); a dataset-backed env is a single-turn
+    :class:`~agile_llmenvs.llm_envs.rubric.RubricEnv` over the ``split`` rows (split by
+    ``seed``, as training splits them), scored by the spec's rubric.
+
+    Raises:
+        EnvBuildError: the spec is not a rollout env of one of those sources (an ``env_url``
+            is hosted already; an ``env_image`` runs as its own Pod), its rows or rubric
+            cannot be loaded, the split has no rows, or its ``env_packages`` are missing.
+        ImportPathError: the entrypoint or factory does not resolve.
+    """
+    if spec.env_type != "rollout":
+        raise EnvBuildError(
+            f"env.env_type: {spec.label!r} is a dataset env (teacher-forced rows); only rollout "
+            "envs have episodes to host"
+        )
+    if spec.source == "entrypoint":
+        assert spec.entrypoint is not None  # the source says so
+        ensure_env_packages(spec.env_packages, allow_install=allow_install)
+        return env_factory(spec.entrypoint, spec.env_config, factory=spec.factory)
+    if spec.source == "dataset":
+        from agile_llmenvs.llm_envs.rows import load_rows
+        from agile_llmenvs.llm_envs.rubric import RubricEnv, load_rubric
+
+        assert spec.rubric_file_path is not None  # the spec guarantees a rubric with rows
+        rubric = load_rubric(spec.rubric_file_path, spec.rubric_name)
+        train, test = load_rows(spec, seed)
+        rows = (train if split == "train" else test).to_list()
+        if not rows:
+            raise EnvBuildError(f"env: {spec.label!r} has no {split} rows to play")
+        template, max_reward = spec.prompt_template, spec.max_reward
+        return lambda: RubricEnv(rows, rubric, prompt_template=template, max_reward=max_reward)
+    where = (
+        f"is already hosted at {', '.join(spec.env_urls)}"
+        if spec.source == "env_url"
+        else f"{spec.env_image!r} runs as its own Pod, placed by the Ray runtime"
+    )
+    raise EnvBuildError(
+        f"env.{spec.source}: this env {where}; hosting needs an `entrypoint` or dataset rows "
+        "with a rubric"
+    )
+
+
+def harness_arguments(
+    spec: LLMEnvSpec | str, *, allow_install: bool = False, **settings: Any
+) -> tuple[str | EnvClientProtocol, int, dict[str, Any]]:
+    """The ``(env_client, max_turns, settings)`` of one harness
+    (:meth:`RolloutHarness.from_spec <agile_llmenvs.llm_envs.harness.RolloutHarness.from_spec>`
+    builds it from them): a URL is reached over a WebSocket session, an entrypoint is built
     in this process. Explicit ``settings`` override what the spec declares; without a
     ``max_turns`` in either, the env's own budget is used (:func:`served_turn_budget`,
     :func:`env_turn_budget`).
@@ -134,14 +185,14 @@ def harness_from_spec(
     if spec.source == "env_url":
         url = spec.env_urls[0]
         max_turns = max_turns or served_turn_budget(url, timeout_s=merged.get("timeout_s"))
-        return cls(url, tokenizer, max_turns, **merged)
+        return url, max_turns, merged
     if spec.source == "entrypoint":
         assert spec.entrypoint is not None
         ensure_env_packages(spec.env_packages, allow_install=allow_install)
         env = env_factory(spec.entrypoint, spec.env_config, factory=spec.factory)()
         max_turns = max_turns or env_turn_budget(env, label=spec.entrypoint)
         client = InProcessEnvClient(env, action_field=merged.get("action_field", "message"))
-        return cls(client, tokenizer, max_turns, **merged)
+        return client, max_turns, merged
     raise EnvBuildError(
         f"{spec.label!r}: a {spec.source} rollout env is built by make_rollout_env_factory"
         + (" on the Ray runtime" if spec.source == "env_image" else "")

@@ -11,27 +11,13 @@ from typing import Any
 
 import numpy as np
 
+from agile_llmenvs.core.episode import Task
 from agile_llmenvs.llm_envs.sum_tree import SumTree
 
 __all__ = ["Task", "TaskAssigner", "TaskRowStats", "TaskRowWeight", "check_rank"]
 
 _DEFAULT_SEED = 0x5EED
 _SEED_SPACE = 2**31 - 1
-
-
-@dataclass(frozen=True)
-class Task:
-    """One episode's task: a reset seed and, for a dataset env, a row."""
-
-    seed: int
-    row_index: int | None = None
-
-    def reset_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``RolloutHarness.reset``."""
-        kwargs: dict[str, Any] = {"seed": self.seed}
-        if self.row_index is not None:
-            kwargs["row_index"] = self.row_index
-        return kwargs
 
 
 _RANK_FIELDS = {

@@ -5,6 +5,24 @@ Each loop takes a :class:`~agile_llmenvs.specs.RunManifest` (its ``training`` se
 :class:`TrainResult`; metrics, a plot and checkpoints go to ``training.output_dir``.
 The names import torch on first use, not with the package (the command line imports
 ``agile_llmenvs.training.command`` for ``--help``).
+
+The sub-packages, each with its face in its ``__init__``:
+
+* :mod:`~agile_llmenvs.training.grpo` -- GRPO: the loop, its setup, the update, the batch and
+  the held-out evaluation.
+* :mod:`~agile_llmenvs.training.supervised` -- SFT and DPO and the dataset loop they share.
+* :mod:`~agile_llmenvs.training.credit` -- turn-level credit: advantages per turn, Monte-Carlo
+  values of mid-episode states.
+* :mod:`~agile_llmenvs.training.objective` -- the losses and the scored-token log-probs.
+* :mod:`~agile_llmenvs.training.generation` -- what generates rollouts from the policy: the
+  sampler, in-process vLLM engines, ``vllm serve`` processes and their weight syncs.
+* :mod:`~agile_llmenvs.training.policy` -- the policy: loading, LoRA, FSDP2 sharding, the
+  optimizer, one learning step, CPU threads.
+* :mod:`~agile_llmenvs.training.run` -- the run and its folder: checkpoints, metrics,
+  trackers, the rollout log, progress, signals, env failures, the result.
+
+Weights outside the trainer (checkpoint folders, sync folders, the vLLM worker side) are
+:mod:`agile_llmenvs.weights`.
 """
 
 from __future__ import annotations
@@ -16,10 +34,9 @@ from agile_llmenvs._lazy import lazy_attributes
 if TYPE_CHECKING:
     from agile_llmenvs.errors import CheckpointError
     from agile_llmenvs.specs import TrainingSpec
-    from agile_llmenvs.training.common import TrainResult
-    from agile_llmenvs.training.dpo import train_dpo
     from agile_llmenvs.training.grpo import PolicyBatch, train_grpo
-    from agile_llmenvs.training.sft import train_sft
+    from agile_llmenvs.training.run import TrainResult
+    from agile_llmenvs.training.supervised import train_dpo, train_sft
 
 __all__ = [
     "CheckpointError",
@@ -37,10 +54,10 @@ __getattr__, __dir__ = lazy_attributes(
     {
         "CheckpointError": "agile_llmenvs.errors",
         "PolicyBatch": "agile_llmenvs.training.grpo",
-        "TrainResult": "agile_llmenvs.training.common",
+        "TrainResult": "agile_llmenvs.training.run",
         "TrainingSpec": "agile_llmenvs.specs",
-        "train_dpo": "agile_llmenvs.training.dpo",
+        "train_dpo": "agile_llmenvs.training.supervised",
         "train_grpo": "agile_llmenvs.training.grpo",
-        "train_sft": "agile_llmenvs.training.sft",
+        "train_sft": "agile_llmenvs.training.supervised",
     },
 )

@@ -15,7 +15,7 @@ from agile_llmenvs.errors import AgileLLMEnvsError
 
 if TYPE_CHECKING:  # the command line imports this module; torch only when it trains
     from agile_llmenvs.specs import RunManifest
-    from agile_llmenvs.training.common import TrainResult
+    from agile_llmenvs.training.run import TrainResult
 
 __all__ = ["evaluate_hint", "register", "run_train_command", "summary_line"]
 
@@ -50,7 +50,7 @@ def run_train_command(args: argparse.Namespace) -> int:
     progress bars and logs below errors are off unless ``--debug``.
     """
     from agile_llmenvs.training import train_dpo, train_grpo, train_sft
-    from agile_llmenvs.training.progress import quiet_libraries
+    from agile_llmenvs.training.run import quiet_libraries
     from agile_llmenvs.validation import problem_lines, validate_file
 
     started = time.monotonic()
@@ -80,11 +80,8 @@ def evaluate_hint(result: TrainResult, manifest: RunManifest) -> str:
     """Write the finished run's eval config, ``<output_dir>/eval.yaml`` (on the main process
     only; a resume that found the run complete touches nothing, and writes the file only when
     the run has none), and return the sentence that says how to run it, or why there is none."""
-    from agile_llmenvs.training.eval_config import (
-        EVAL_CONFIG,
-        unevaluable_reason,
-        write_eval_config,
-    )
+    from agile_llmenvs._run_files import EVAL_CONFIG
+    from agile_llmenvs.training.eval_config import unevaluable_reason, write_eval_config
 
     path = Path(result.output_dir) / EVAL_CONFIG
     reason = unevaluable_reason(manifest)
@@ -113,7 +110,7 @@ def summary_line(
     """The last line of ``train``: the steps, the wall time, the mean reward (GRPO) or loss
     (SFT, DPO) over the last tenth of the run's steps, where its files are, and what to run
     next: ``evaluate`` (:func:`evaluate_hint`'s sentence), or, for a stopped run, resume it."""
-    from agile_llmenvs.training.metrics import tail_mean
+    from agile_llmenvs.training.run import tail_mean
 
     assert manifest.training is not None  # the command checked
     max_steps = manifest.training.max_steps

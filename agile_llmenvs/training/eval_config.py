@@ -23,12 +23,12 @@ from typing import Any
 
 import yaml
 
+from agile_llmenvs._run_files import EVAL_CONFIG, RUN_MANIFEST
 from agile_llmenvs.config import EvalConfig
 from agile_llmenvs.specs import LLMEnvSpec, RunManifest
-from agile_llmenvs.training.common import TrainResult, training_spec
-from agile_llmenvs.training.run_folder import EVAL_CONFIG, RUN_MANIFEST
+from agile_llmenvs.training.run import TrainResult, training_spec
 
-__all__ = ["EVAL_CONFIG", "eval_config_for", "unevaluable_reason", "write_eval_config"]
+__all__ = ["eval_config_for", "unevaluable_reason", "write_eval_config"]
 
 
 def unevaluable_reason(manifest: RunManifest) -> str | None:
@@ -140,9 +140,9 @@ def _dataset_tasks(spec: LLMEnvSpec, seed: int) -> tuple[int, str, str]:
 def _held_out_seed(seed: int) -> int:
     """The reset seed of training's first held-out task; task ``i``'s is this plus ``i``."""
     from agile_llmenvs.llm_envs.tasks import TaskAssigner
-    from agile_llmenvs.training.held_out import _EVAL_SEED_OFFSET
+    from agile_llmenvs.training.grpo import EVAL_SEED_OFFSET
 
-    return TaskAssigner(0, seed=seed + _EVAL_SEED_OFFSET).next_task().seed
+    return TaskAssigner(0, seed=seed + EVAL_SEED_OFFSET).next_task().seed
 
 
 def _turn_budget(spec: LLMEnvSpec) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from agile_llmenvs.transport.asgi import create_asgi_app
 from agile_llmenvs.transport.client import EnvClientProtocol, InProcessEnvClient
 from agile_llmenvs.transport.remote import ClientState, RemoteEnvClient
+from agile_llmenvs.transport.served import ServedEnv
 from agile_llmenvs.transport.server import OpenEnvServer
 from agile_llmenvs.transport.settings import ServerSettings
 from agile_llmenvs.transport.types import EnvReply, TextAction, TextObservation, TextState
@@ -18,6 +19,7 @@ __all__ = [
     "OpenEnvServer",
     "OpenEnvWrapper",
     "RemoteEnvClient",
+    "ServedEnv",
     "ServerSettings",
     "TextAction",
     "TextObservation",

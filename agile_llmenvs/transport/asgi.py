@@ -31,7 +31,8 @@ from websockets.frames import Close
 from agile_llmenvs.transport.http import SERVER_ERROR, HttpRequest, HttpResponse
 from agile_llmenvs.transport.openapi import openapi_document, redoc_html, swagger_html
 from agile_llmenvs.transport.routes import ServerMode, server_mode
-from agile_llmenvs.transport.server import DEFAULT_MAX_SESSIONS, EnvLike, build_session_host
+from agile_llmenvs.transport.served import DEFAULT_MAX_SESSIONS, EnvLike, ServedEnv
+from agile_llmenvs.transport.server import build_session_host
 from agile_llmenvs.transport.sessions import SessionHost
 from agile_llmenvs.transport.settings import ServerSettings
 
@@ -48,7 +49,7 @@ _DOC_PATHS = frozenset({"/openapi.json", "/docs", "/redoc"})
 
 
 def create_asgi_app(
-    env: EnvLike | None = None,
+    env: EnvLike | ServedEnv | None = None,
     *,
     make_env: Callable[[], EnvLike] | None = None,
     env_name: str | None = None,
@@ -63,7 +64,9 @@ def create_asgi_app(
     """An ASGI app serving ``env`` or ``make_env`` as :class:`OpenEnvServer` does.
 
     Takes :class:`~agile_llmenvs.transport.server.OpenEnvServer`'s arguments (less the
-    socket's: the ASGI server binds) and serves its routes with its replies: ``/ws``
+    socket's: the ASGI server binds; a :class:`~agile_llmenvs.transport.served.ServedEnv` in
+    place of ``env`` and the keywords that say what is served) and serves its routes with
+    its replies: ``/ws``
     sessions, ``GET /health``, ``/metadata``, ``/schema``, ``/state``, ``/sessions``,
     ``POST /reset``, ``/step``, ``/mcp``; and, as OpenEnv's ``create_app`` does,
     ``GET /openapi.json``, ``/docs`` and ``/redoc``. The ``token`` guards every route but
@@ -91,18 +94,17 @@ def create_asgi_app(
     """
     checked_mode = server_mode(mode)
     settings = settings or ServerSettings()
-    host = build_session_host(
+    served = ServedEnv.of(
         env,
         make_env=make_env,
         env_name=env_name,
         max_concurrent_envs=max_concurrent_envs,
         token=token,
-        settings=settings,
         action_cls=action_cls,
         observation_cls=observation_cls,
         state_cls=state_cls,
-        owner="create_asgi_app",
     )
+    host = build_session_host(served, settings, owner="create_asgi_app")
     host.routes.mode = checked_mode
     return AsgiApp(host)
 
@@ -120,7 +122,7 @@ class AsgiApp:
     @property
     def active_sessions(self) -> int:
         """Sessions open right now."""
-        return self.host.active_sessions
+        return self.host.pool.active_sessions
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -146,8 +148,8 @@ class AsgiApp:
     async def close(self) -> None:
         """Close the MCP sessions made over HTTP and the env threads (the lifespan's end)."""
         with contextlib.suppress(Exception):
-            await self.host.routes.mcp_sessions.close_all()
-        self.host.env_calls.close()
+            await self.host.pool.close_all()
+        self.host.pool.env_calls.close()
 
     # -- HTTP --------------------------------------------------------------------------------
 
@@ -208,12 +210,14 @@ class AsgiApp:
                 known = await self.host.routes.get("/schema")  # builds an env if need be
                 if known.status != 200:
                     return known
-                assert self.host.types is not None
-                self._openapi = openapi_document(self.host)
+                types = self.host.pool.types
+                assert types is not None
+                routes = self.host.routes
+                self._openapi = openapi_document(types, self.host.pool.env_name, routes.serves)
             return HttpResponse(200, self._openapi)
         token = query.get("token", [""])[0]
         spec = "/openapi.json" + (f"?token={token}" if token else "")
-        title = f"{self.host.env_name} - OpenEnv Environment HTTP API"
+        title = f"{self.host.pool.env_name} - OpenEnv Environment HTTP API"
         return _Page(swagger_html(spec, title) if path == "/docs" else redoc_html(spec, title))
 
     # -- WebSocket ---------------------------------------------------------------------------

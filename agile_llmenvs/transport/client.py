@@ -27,7 +27,7 @@ from agile_llmenvs.transport.types import EnvReply, TextAction, TextObservation
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper
 
 if TYPE_CHECKING:
-    from agile_llmenvs.llm_envs.contract import TextEnv
+    from agile_llmenvs.core.contract import TextEnv
 
 __all__ = ["EnvClientProtocol", "InProcessEnvClient", "SupportsListTools", "SupportsToolCalls"]
 

@@ -2,7 +2,8 @@
 
 ``openenv/session/create`` (over ``POST /mcp``) makes one, ``openenv/session/close`` ends it;
 a ``/ws?session_id=...`` connection attaches to one, and a WebSocket at ``/mcp`` is one for
-its connection's life (:meth:`McpSessions.serve_socket`). Each holds a slot of the server's
+its connection's life (:meth:`McpSessions.serve_socket`). Each is an env the server's
+:class:`~agile_llmenvs.transport.env_pool.EnvPool` holds between requests, in a slot of its
 capacity until it ends; one no connection holds and no request has used for
 ``mcp_session_idle_timeout_s`` is reaped.
 """
@@ -10,82 +11,55 @@ capacity until it ends; one no connection holds and no request has used for
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import time
-import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agile_llmenvs.transport._openenv import JsonRpcErrorCode
+from agile_llmenvs.transport.env_pool import EnvPool
 from agile_llmenvs.transport.idle import IdleClock, close_when_idle
 from agile_llmenvs.transport.mcp import mcp_error, parse_rpc
 from agile_llmenvs.transport.protocol import strict_json_loads
 
-if TYPE_CHECKING:
-    from agile_llmenvs.transport.sessions import SessionHost
-
-__all__ = ["McpSession", "McpSessions", "open_mcp_session"]
+__all__ = ["McpSessions", "open_mcp_session"]
 
 #: Answers one parsed JSON-RPC request within a session: ``(request, env, session_id)``.
 McpAnswer = Callable[[Any, Any, str], Awaitable[Any]]
 
 
-@dataclass
-class McpSession:
-    """An env session made by ``openenv/session/create``, alive until its close."""
-
-    env: Any
-    stack: AsyncExitStack
-    last_used: float = field(default_factory=time.monotonic)
-    attached: bool = False
-    closing: bool = False
-
-
 class McpSessions:
-    """The MCP sessions of one :class:`SessionHost`, by session id."""
+    """The MCP session requests of one server, over the envs its ``pool`` holds."""
 
-    def __init__(self, host: SessionHost) -> None:
-        self.host = host
-        self.sessions: dict[str, McpSession] = {}
-
-    def used(self, session_id: str) -> McpSession | None:
-        """The session ``session_id`` (marked as used now), or None if there is none."""
-        session = self.sessions.get(session_id)
-        if session is not None:
-            session.last_used = time.monotonic()
-        return session
+    def __init__(self, pool: EnvPool) -> None:
+        self.pool = pool
 
     async def create(self, rid: Any) -> Any:
         """``openenv/session/create``'s reply: a new session's id, or the JSON-RPC error
         of a full server or a failing env factory."""
-        host = self.host
-        await self.reap_idle()
-        if not await host.take_slot():
+        pool = self.pool
+        await pool.reap_idle()
+        if not await pool.take_slot():
             return mcp_error(
                 JsonRpcErrorCode.SERVER_ERROR,
-                host.capacity_message(),
+                pool.capacity_message(),
                 rid,
-                data={"active_sessions": host.active_sessions, "max_sessions": host.max_sessions},
+                data={"active_sessions": pool.active_sessions, "max_sessions": pool.max_sessions},
             )
         try:
-            env = await host.build_env()
+            env = await pool.build_env()
         except Exception as exc:
-            host.free_slot()
+            pool.free_slot()
             return mcp_error(JsonRpcErrorCode.SERVER_ERROR, f"env factory failed: {exc}", rid)
         stack = AsyncExitStack()
         try:
             await open_mcp_session(env, stack)
         except Exception as exc:
             await stack.aclose()
-            await host.close_env(env)
-            host.free_slot()
+            await pool.close_env(env)
+            pool.free_slot()
             return mcp_error(JsonRpcErrorCode.SERVER_ERROR, str(exc), rid)
-        session_id = str(uuid.uuid4())
-        self.sessions[session_id] = McpSession(env, stack)
-        return _ok({"session_id": session_id}, rid)
+        return _ok({"session_id": pool.hold(env, stack)}, rid)
 
     async def close(self, wanted: Any, own: str | None, rid: Any) -> Any:
         """``openenv/session/close``'s reply for session ``wanted``, asked within the session
@@ -100,13 +74,13 @@ class McpSessions:
                 "Cannot close active WebSocket-managed session via MCP method",
                 rid,
             )
-        session = self.sessions.get(wanted)
+        session = self.pool.held.get(wanted)
         if session is None:
             return mcp_error(JsonRpcErrorCode.INVALID_PARAMS, f"Unknown session_id: {wanted}", rid)
         if session.attached:
             session.closing = True
             return _ok({"session_id": wanted, "closed": False, "closing": True}, rid)
-        await self.end(wanted)
+        await self.pool.end(wanted)
         return _ok({"session_id": wanted, "closed": True}, rid)
 
     async def serve_socket(self, ws: Any, answer: McpAnswer) -> None:
@@ -125,9 +99,9 @@ class McpSessions:
             await ws.send(json.dumps(created))
             return
         session_id = created["result"]["session_id"]
-        session = self.attach(session_id)
-        idle = self.host.settings.session_idle_timeout_s
-        limit = self.host.settings.max_message_bytes
+        session = self.pool.attach(session_id)
+        idle = self.pool.settings.session_idle_timeout_s
+        limit = self.pool.settings.max_message_bytes
         loop = asyncio.get_running_loop()
         clock = IdleClock(loop.time())
         watchdog = None if idle is None else asyncio.create_task(close_when_idle(ws, clock, idle))
@@ -150,7 +124,7 @@ class McpSessions:
             if watchdog is not None:
                 watchdog.cancel()
             session.closing = True
-            await self.detach(session_id)
+            await self.pool.detach(session_id)
 
     @staticmethod
     async def _answer_text(message: Any, answer: McpAnswer, env: Any, session_id: str) -> Any:
@@ -160,58 +134,6 @@ class McpSessions:
             return mcp_error(JsonRpcErrorCode.PARSE_ERROR, f"Parse error: {exc}")
         request, reply = parse_rpc(payload)
         return reply if reply is not None else await answer(request, env, session_id)
-
-    def attach(self, session_id: str) -> McpSession:
-        """Attach a connection to a session.
-
-        Raises:
-            RuntimeError: no such session, or one that has a connection already (OpenEnv's
-                messages).
-        """
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise RuntimeError(f"Unknown session_id: {session_id}")
-        if session.attached:
-            raise RuntimeError(f"Session {session_id} already has an attached WebSocket")
-        session.attached = True
-        return session
-
-    async def detach(self, session_id: str) -> None:
-        """The connection of a session left; end the session if a close waits."""
-        session = self.sessions.get(session_id)
-        if session is None:
-            return
-        session.attached = False
-        session.last_used = time.monotonic()
-        if session.closing:
-            await self.end(session_id)
-
-    async def end(self, session_id: str) -> None:
-        """Close a session and its env, and free its slot."""
-        session = self.sessions.pop(session_id, None)
-        if session is None:
-            return
-        try:
-            with contextlib.suppress(Exception):
-                await session.stack.aclose()
-            await self.host.close_env(session.env)
-        finally:
-            self.host.free_slot()
-
-    async def close_all(self) -> None:
-        """Close every session (the server is stopping)."""
-        for session_id in list(self.sessions):
-            await self.end(session_id)
-
-    async def reap_idle(self) -> None:
-        """End sessions no connection has used for ``mcp_session_idle_timeout_s``."""
-        idle = self.host.settings.mcp_session_idle_timeout_s
-        if idle is None:
-            return
-        now = time.monotonic()
-        for session_id, session in list(self.sessions.items()):
-            if not session.attached and now - session.last_used > idle:
-                await self.end(session_id)
 
 
 async def open_mcp_session(env: Any, stack: AsyncExitStack) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import html
 import json
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
@@ -15,9 +16,7 @@ from agile_llmenvs.transport._openenv import (
     StepRequest,
     StepResponse,
 )
-
-if TYPE_CHECKING:
-    from agile_llmenvs.transport.sessions import SessionHost
+from agile_llmenvs.transport.env_types import EnvTypes
 
 __all__ = [
     "REDOC_JS",
@@ -34,10 +33,11 @@ SWAGGER_CSS = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css"
 REDOC_JS = "https://cdn.jsdelivr.net/npm/redoc@2/bundles/redoc.standalone.js"
 
 
-def openapi_document(host: SessionHost) -> dict[str, Any]:
-    """The OpenAPI 3.1 document of an app over ``host`` (whose wire types are known)."""
-    types = host.types
-    assert types is not None
+def openapi_document(
+    types: EnvTypes, env_name: str, serves: Callable[[str], bool]
+) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of an app serving an env of wire ``types``, named
+    ``env_name``, with the paths ``serves`` says the app serves."""
     models = [ResetRequest, ResetResponse, StepRequest, StepResponse]
     env_models = [types.action, types.observation, types.state]
     keys, top = models_json_schema(
@@ -49,12 +49,23 @@ def openapi_document(host: SessionHost) -> dict[str, Any]:
     def ref(model: type) -> dict[str, Any]:
         return dict(keys[(model, "validation")])
 
-    def json_body(schema: dict[str, Any]) -> dict[str, Any]:
-        return {"content": {"application/json": {"schema": schema}}}
+    paths = _paths(types, ref)
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "OpenEnv Environment HTTP API",
+            "version": "1.0.0",
+            "description": f"`{env_name}`, served by agile_llmenvs. WebSocket sessions "
+            "at `/ws` (OpenEnv's `reset`, `step`, `state`, `close` and `mcp` messages).",
+        },
+        "paths": {path: ops for path, ops in paths.items() if serves(path)},
+        "components": {"schemas": schemas},
+    }
 
-    def reply(schema: dict[str, Any], what: str = "Successful Response") -> dict[str, Any]:
-        return {"200": {"description": what, **json_body(schema)}}
 
+def _paths(types: EnvTypes, ref: Callable[[type], dict[str, Any]]) -> dict[str, Any]:
+    """Every route's operation, ``create_app``'s tags and summaries; ``ref(model)`` is the
+    reference to a model's schema."""
     anything: dict[str, Any] = {"type": "object"}
     step_body = {
         "allOf": [ref(StepRequest), {"properties": {"action": ref(types.action)}}],
@@ -62,78 +73,67 @@ def openapi_document(host: SessionHost) -> dict[str, Any]:
     step_reply = {
         "allOf": [ref(StepResponse), {"properties": {"observation": ref(types.observation)}}]
     }
-    paths: dict[str, Any] = {
-        "/reset": {
-            "post": {
-                "tags": ["Environment Control"],
-                "summary": "Reset a fresh environment",
-                "requestBody": {"required": False, **json_body(ref(ResetRequest))},
-                "responses": reply(ref(ResetResponse)),
-            }
-        },
-        "/step": {
-            "post": {
-                "tags": ["Environment Control"],
-                "summary": "Execute an action on a fresh environment",
-                "requestBody": {"required": True, **json_body(step_body)},
-                "responses": reply(step_reply),
-            }
-        },
-        "/state": {
-            "get": {
-                "tags": ["State Management"],
-                "summary": "Get a fresh environment's state",
-                "responses": reply(ref(types.state)),
-            }
-        },
-        "/metadata": {
-            "get": {
-                "tags": ["Environment Info"],
-                "summary": "Get environment metadata",
-                "responses": reply(anything),
-            }
-        },
-        "/schema": {
-            "get": {
-                "tags": ["Schema"],
-                "summary": "Get the action, observation and state JSON schemas",
-                "responses": reply(anything),
-            }
-        },
-        "/health": {
-            "get": {
-                "tags": ["Health"],
-                "summary": "Health check",
-                "responses": reply(anything),
-            }
-        },
-        "/mcp": {
-            "post": {
-                "tags": ["MCP"],
-                "summary": "MCP JSON-RPC endpoint",
-                "requestBody": {"required": True, **json_body(anything)},
-                "responses": reply(anything),
-            }
-        },
-        "/sessions": {
-            "get": {
-                "tags": ["Health"],
-                "summary": "Live and allowed sessions",
-                "responses": reply(anything),
-            }
-        },
-    }
     return {
-        "openapi": "3.1.0",
-        "info": {
-            "title": "OpenEnv Environment HTTP API",
-            "version": "1.0.0",
-            "description": f"`{host.env_name}`, served by agile_llmenvs. WebSocket sessions "
-            "at `/ws` (OpenEnv's `reset`, `step`, `state`, `close` and `mcp` messages).",
-        },
-        "paths": {path: ops for path, ops in paths.items() if host.routes.serves(path)},
-        "components": {"schemas": schemas},
+        "/reset": _operation(
+            "post",
+            "Environment Control",
+            "Reset a fresh environment",
+            _reply(ref(ResetResponse)),
+            body={"required": False, **_json_body(ref(ResetRequest))},
+        ),
+        "/step": _operation(
+            "post",
+            "Environment Control",
+            "Execute an action on a fresh environment",
+            _reply(step_reply),
+            body={"required": True, **_json_body(step_body)},
+        ),
+        "/state": _operation(
+            "get", "State Management", "Get a fresh environment's state", _reply(ref(types.state))
+        ),
+        "/metadata": _operation(
+            "get", "Environment Info", "Get environment metadata", _reply(anything)
+        ),
+        "/schema": _operation(
+            "get",
+            "Schema",
+            "Get the action, observation and state JSON schemas",
+            _reply(anything),
+        ),
+        "/health": _operation("get", "Health", "Health check", _reply(anything)),
+        "/mcp": _operation(
+            "post",
+            "MCP",
+            "MCP JSON-RPC endpoint",
+            _reply(anything),
+            body={"required": True, **_json_body(anything)},
+        ),
+        "/sessions": _operation("get", "Health", "Live and allowed sessions", _reply(anything)),
     }
+
+
+def _operation(
+    method: str,
+    tag: str,
+    summary: str,
+    responses: dict[str, Any],
+    *,
+    body: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One path's operation, its keys in FastAPI's order."""
+    operation: dict[str, Any] = {"tags": [tag], "summary": summary}
+    if body is not None:
+        operation["requestBody"] = body
+    operation["responses"] = responses
+    return {method: operation}
+
+
+def _json_body(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"content": {"application/json": {"schema": schema}}}
+
+
+def _reply(schema: dict[str, Any], what: str = "Successful Response") -> dict[str, Any]:
+    return {"200": {"description": what, **_json_body(schema)}}
 
 
 def swagger_html(spec: str, title: str) -> str:

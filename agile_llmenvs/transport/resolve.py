@@ -1,4 +1,8 @@
-"""From a manifest's env source to something a rollout can reach: a factory or a hosted URL."""
+"""From an env's entrypoint to something a rollout can reach: a factory or a hosted URL.
+
+A manifest's dataset-backed env (rows scored by a rubric) is built by the text-env runtime
+(:func:`~agile_llmenvs.llm_envs.from_spec.text_env_factory`).
+"""
 
 from __future__ import annotations
 
@@ -10,17 +14,17 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from packaging.requirements import InvalidRequirement, Requirement
 
 from agile_llmenvs._imports import load_object
 from agile_llmenvs.errors import EnvBuildError, ImportPathError
+from agile_llmenvs.transport.served import ServedEnv
 from agile_llmenvs.transport.server import OpenEnvServer
 
 if TYPE_CHECKING:
-    from agile_llmenvs.llm_envs.contract import TextEnv
-    from agile_llmenvs.specs import LLMEnvSpec
+    from agile_llmenvs.core.contract import TextEnv
 
 __all__ = [
     "ensure_env_packages",
@@ -29,10 +33,16 @@ __all__ = [
     "load_entrypoint",
     "resolve_env",
     "spec_to_factory",
-    "text_env_factory",
 ]
 
 _URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
+
+FACTORY_CHECKS = ("agile_llmenvs.adapters.gem:checked_factory",)
+"""What every loaded ``factory:`` callable passes through, in order: an env source's adapter
+may put its own build in place of the foreign one (GEM's ``gem.make`` is built by
+:func:`agile_llmenvs.adapters.gem.make`, which checks the NLTK corpora and downloads none).
+Named as entrypoints, as any factory is: the adapters sit above this layer, and each is
+imported only when a factory is loaded."""
 
 
 def load_entrypoint(path: str, *, field: str = "env.entrypoint") -> Any:
@@ -107,9 +117,9 @@ def env_factory(
     """
     kwargs = dict(env_config or {})
     if factory is not None:
-        from agile_llmenvs.adapters.gem import checked_factory  # GEM's own make: its checks
-
-        make = checked_factory(load_entrypoint(factory, field="env.factory"))
+        make = load_entrypoint(factory, field="env.factory")
+        for check in FACTORY_CHECKS:
+            make = load_object(check)(make)
         if not callable(make):
             raise ImportPathError(f"factory {factory!r} is not callable")
         return lambda: make(entrypoint, **kwargs)
@@ -175,59 +185,6 @@ def _is_file_target(path: str) -> bool:
     return bool(sep) and file.endswith(".py")
 
 
-def text_env_factory(
-    spec: LLMEnvSpec,
-    *,
-    seed: int = 0,
-    split: Literal["train", "test"] = "train",
-    allow_install: bool = False,
-) -> Callable[[], TextEnv]:
-    """A zero-argument callable building a fresh text env of a rollout spec per call: what a
-    server hosts for it, and what an eval of a training manifest plays.
-
-    An ``entrypoint`` env is built as :func:`env_factory` builds it (after its
-    ``env_packages`` are checked); a dataset-backed env is a single-turn
-    :class:`~agile_llmenvs.llm_envs.rubric.RubricEnv` over the ``split`` rows (split by
-    ``seed``, as training splits them), scored by the spec's rubric.
-
-    Raises:
-        EnvBuildError: the spec is not a rollout env of one of those sources (an ``env_url``
-            is hosted already; an ``env_image`` runs as its own Pod), its rows or rubric
-            cannot be loaded, the split has no rows, or its ``env_packages`` are missing.
-        ImportPathError: the entrypoint or factory does not resolve.
-    """
-    if spec.env_type != "rollout":
-        raise EnvBuildError(
-            f"env.env_type: {spec.label!r} is a dataset env (teacher-forced rows); only rollout "
-            "envs have episodes to host"
-        )
-    if spec.source == "entrypoint":
-        assert spec.entrypoint is not None  # the source says so
-        ensure_env_packages(spec.env_packages, allow_install=allow_install)
-        return env_factory(spec.entrypoint, spec.env_config, factory=spec.factory)
-    if spec.source == "dataset":
-        from agile_llmenvs.llm_envs.rows import load_rows
-        from agile_llmenvs.llm_envs.rubric import RubricEnv, load_rubric
-
-        assert spec.rubric_file_path is not None  # the spec guarantees a rubric with rows
-        rubric = load_rubric(spec.rubric_file_path, spec.rubric_name)
-        train, test = load_rows(spec, seed)
-        rows = (train if split == "train" else test).to_list()
-        if not rows:
-            raise EnvBuildError(f"env: {spec.label!r} has no {split} rows to play")
-        template, max_reward = spec.prompt_template, spec.max_reward
-        return lambda: RubricEnv(rows, rubric, prompt_template=template, max_reward=max_reward)
-    where = (
-        f"is already hosted at {', '.join(spec.env_urls)}"
-        if spec.source == "env_url"
-        else f"{spec.env_image!r} runs as its own Pod, placed by the Ray runtime"
-    )
-    raise EnvBuildError(
-        f"env.{spec.source}: this env {where}; hosting needs an `entrypoint` or dataset rows "
-        "with a rubric"
-    )
-
-
 def resolve_env(
     spec: str,
     env_config: Mapping[str, Any] | None = None,
@@ -265,15 +222,10 @@ def resolve_env(
         return spec, None
     ensure_env_packages(env_packages, allow_install=allow_install)
     make_env = env_factory(spec, env_config, factory=factory)
-    server = OpenEnvServer(
-        make_env=make_env,
-        host=host,
-        port=port,
-        env_name=spec,
-        max_concurrent_envs=max_concurrent_envs or 1,
-        advertise_host=advertise_host,
-        token=token,
+    served = ServedEnv(
+        make_env=make_env, env_name=spec, max_concurrent_envs=max_concurrent_envs or 1, token=token
     )
+    server = OpenEnvServer(served, host=host, port=port, advertise_host=advertise_host)
     return server.url, server
 
 

@@ -8,7 +8,8 @@ works; they are :class:`~agile_llmenvs.transport.mcp_sessions.McpSessions`). A W
 ``/mcp`` is one such session for its connection's life, taking bare JSON-RPC messages
 (OpenEnv's MCP socket: :meth:`HttpRoutes.serve_mcp_socket`).
 ``GET /sessions`` (live and allowed sessions) is ours. Every env these routes build
-takes a slot of the server's one capacity; when it is full they answer 503.
+takes a slot of the server's one capacity (its
+:class:`~agile_llmenvs.transport.env_pool.EnvPool`); when it is full they answer 503.
 
 As OpenEnv's ``register_routes(app, mode=...)``, the routes have two modes: ``"simulation"``
 (all of the above) and ``"production"``, which drops the simulation controls ``POST /reset``,
@@ -20,7 +21,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -32,13 +33,11 @@ from agile_llmenvs.transport._openenv import (
     StepResponse,
     deserialize_action,
 )
+from agile_llmenvs.transport.env_pool import EnvPool
 from agile_llmenvs.transport.http import SERVER_ERROR, HttpRequest, HttpResponse
 from agile_llmenvs.transport.mcp import mcp_error, mcp_reply, parse_rpc
 from agile_llmenvs.transport.mcp_sessions import McpSessions
 from agile_llmenvs.transport.protocol import strict_json_loads, validation_errors
-
-if TYPE_CHECKING:
-    from agile_llmenvs.transport.sessions import SessionHost
 
 __all__ = [
     "SIMULATION_PATHS",
@@ -68,12 +67,12 @@ _POST_PATHS = frozenset({"/reset", "/step", "/mcp"})
 
 
 class HttpRoutes:
-    """Answers the plain HTTP requests of one :class:`SessionHost`."""
+    """Answers the plain HTTP requests of one server, with the envs of its ``pool``."""
 
-    def __init__(self, host: SessionHost, mode: ServerMode = "simulation") -> None:
-        self.host = host
+    def __init__(self, pool: EnvPool, mode: ServerMode = "simulation") -> None:
+        self.pool = pool
         self.mode: ServerMode = mode
-        self.mcp_sessions = McpSessions(host)
+        self.mcp_sessions = McpSessions(pool)
         self._metadata: dict[str, Any] | None = None
 
     def serves(self, path: str) -> bool:
@@ -92,9 +91,9 @@ class HttpRoutes:
             return HttpResponse(503, {"detail": str(full)})
 
     async def _get(self, path: str) -> HttpResponse:
-        host = self.host
+        pool = self.pool
         if path == "/health":
-            exhausted = host.env_calls.threads.exhausted
+            exhausted = pool.env_calls.threads.exhausted
             if exhausted is not None:  # a supervisor restarts it
                 return HttpResponse(503, {"status": "unhealthy", "reason": exhausted})
             return HttpResponse(200, {"status": "healthy"})
@@ -102,21 +101,21 @@ class HttpRoutes:
             return HttpResponse(
                 200,
                 {
-                    "name": host.env_name,
-                    "active_sessions": host.active_sessions,
-                    "max_sessions": host.max_sessions,
+                    "name": pool.env_name,
+                    "active_sessions": pool.active_sessions,
+                    "max_sessions": pool.max_sessions,
                 },
             )
         if path == "/schema":
-            types = host.types or await self._with_fresh_env(host.types_of)
+            types = pool.types or await self._with_fresh_env(pool.types_of)
             return HttpResponse(200, types.schema())
         if path == "/metadata":
             if self._metadata is None:
-                metadata = await self._with_fresh_env(host.metadata)
+                metadata = await self._with_fresh_env(pool.metadata)
                 self._metadata = metadata.model_dump(mode="json")
             return HttpResponse(200, self._metadata)
         if path == "/state":
-            if not host.owns_envs:
+            if not pool.owns_envs:
                 return _SHARED
             return HttpResponse(200, await self._with_fresh_env(self._published_state))
         return _METHOD_NOT_ALLOWED if path in _POST_PATHS else _NOT_FOUND
@@ -134,7 +133,7 @@ class HttpRoutes:
             return _METHOD_NOT_ALLOWED if path in _GET_PATHS else _NOT_FOUND
         if request.method != "POST":
             return _METHOD_NOT_ALLOWED
-        if not self.host.owns_envs and path != "/mcp":
+        if not self.pool.owns_envs and path != "/mcp":
             return _SHARED
         try:
             return await answer(request)
@@ -146,8 +145,8 @@ class HttpRoutes:
         published state class (FastAPI's ``response_model``), so fields only a subclass
         declares are dropped. An env whose ``state`` is annotated with its own class keeps
         them: that class is the one published."""
-        state = await self.host.state(env)
-        published = _adapter(self.host.types_of(env).state)
+        state = await self.pool.state(env)
+        published = _adapter(self.pool.types_of(env).state)
         checked = published.validate_python(state, from_attributes=True)
         return published.dump_python(checked, mode="json", by_alias=True)
 
@@ -157,7 +156,7 @@ class HttpRoutes:
             return reset
         kwargs = reset.model_dump(exclude_unset=True)
         try:
-            observation = await self._with_fresh_env(lambda env: self.host.reset(env, kwargs))
+            observation = await self._with_fresh_env(lambda env: self.pool.reset(env, kwargs))
         except AtCapacity:
             raise
         except Exception:
@@ -168,14 +167,14 @@ class HttpRoutes:
         step = _body_model(request, StepRequest)
         if isinstance(step, HttpResponse):
             return step
-        host = self.host
-        types = host.types or await self._with_fresh_env(host.types_of)
+        pool = self.pool
+        types = pool.types or await self._with_fresh_env(pool.types_of)
         try:
             action = deserialize_action(step.action, types.action)
         except ValidationError as exc:
             return HttpResponse(422, {"detail": validation_errors(exc)})
         try:
-            observation = await self._with_fresh_env(lambda env: host.step(env, action))
+            observation = await self._with_fresh_env(lambda env: pool.step(env, action))
         except AtCapacity:
             raise
         except Exception:
@@ -207,7 +206,7 @@ class HttpRoutes:
             return await sessions.close(params.get("session_id"), session_id, rid)
         wanted = params.get("session_id")
         if env is None and wanted:
-            session = sessions.used(wanted)
+            session = self.pool.used(wanted)
             if session is None:
                 return mcp_error(
                     JsonRpcErrorCode.INVALID_PARAMS, f"Unknown session_id: {wanted}", rid
@@ -225,15 +224,15 @@ class HttpRoutes:
         return await self._mcp_reply(request, env, in_session=True)
 
     async def _mcp_reply(self, request: Any, env: Any, *, in_session: bool) -> Any:
-        host = self.host
-        types = host.types or host.types_of(env)
+        pool = self.pool
+        types = pool.types or pool.types_of(env)
         return await mcp_reply(
             env,
             types.action,
             request,
-            lambda action: host.step(env, action),
+            lambda action: pool.step(env, action),
             in_session=in_session,
-            run=lambda call: host.env_calls.call_bounded(call, "call_tool"),
+            run=lambda call: pool.env_calls.call_bounded(call, "call_tool"),
         )
 
     async def serve_mcp_socket(self, ws: Any) -> None:
@@ -249,22 +248,22 @@ class HttpRoutes:
         Raises:
             AtCapacity: every slot holds a live env (a shared env takes none).
         """
-        host = self.host
-        if host.owns_envs and not await host.take_slot():
+        pool = self.pool
+        if pool.owns_envs and not await pool.take_slot():
             raise AtCapacity(
-                f"{host.capacity_message()}: every slot holds a live env; retry later, or "
+                f"{pool.capacity_message()}: every slot holds a live env; retry later, or "
                 "serve with a larger max_concurrent_envs"
             )
         try:
-            env = await host.build_env()
+            env = await pool.build_env()
             try:
                 value = use(env)
                 return await value if inspect.isawaitable(value) else value
             finally:
-                await host.close_env(env)
+                await pool.close_env(env)
         finally:
-            if host.owns_envs:
-                host.free_slot()
+            if pool.owns_envs:
+                pool.free_slot()
 
 
 def server_mode(mode: str | None = None) -> ServerMode:

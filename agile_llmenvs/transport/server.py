@@ -8,36 +8,30 @@ import socket
 import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeAlias
 
 from websockets.asyncio.server import serve
 
 from agile_llmenvs._loops import new_event_loop
 from agile_llmenvs.errors import AgileLLMEnvsError
-from agile_llmenvs.transport._openenv import Environment
-from agile_llmenvs.transport.env_types import EnvTypes, infer_env_types
+from agile_llmenvs.transport.env_pool import EnvPool
 from agile_llmenvs.transport.http import routing_connection
 from agile_llmenvs.transport.routes import ServerMode, server_mode
+from agile_llmenvs.transport.served import DEFAULT_MAX_SESSIONS, EnvLike, ServedEnv
 from agile_llmenvs.transport.sessions import SessionHost
 from agile_llmenvs.transport.settings import ServerSettings
-from agile_llmenvs.transport.wrapper import OpenEnvWrapper
 
-__all__ = ["DEFAULT_MAX_SESSIONS", "OpenEnvServer", "ServerSettings"]
+__all__ = ["DEFAULT_MAX_SESSIONS", "OpenEnvServer", "ServedEnv", "ServerSettings"]
 
 logger = logging.getLogger(__name__)
-
-#: Sessions a server with ``make_env`` serves at once unless told otherwise.
-DEFAULT_MAX_SESSIONS = 256
-
-EnvLike: TypeAlias = Any
-"""A :class:`TextEnv` or an OpenEnv ``Environment`` (OpenEnv's classes are untyped)."""
 
 
 class OpenEnvServer:
     """Serve envs as OpenEnv's ``create_app`` does, in a background daemon thread.
 
     Pass ``env`` to share one env (one session at a time), or ``make_env`` (+
-    ``max_concurrent_envs``) for a fresh env per ``/ws`` session. Plain text envs are wrapped
+    ``max_concurrent_envs``) for a fresh env per ``/ws`` session; or, in place of ``env`` and
+    the other six keywords that say what is served, one :class:`ServedEnv`. Plain text envs
+    are wrapped
     in :class:`OpenEnvWrapper` (their steps take the text fast path); any OpenEnv
     ``Environment`` is served as it is, its actions validated against its own action class.
 
@@ -47,7 +41,8 @@ class OpenEnvServer:
     an MCP session of its own); and our ``GET /sessions``.
 
     Args:
-        env: A single shared local env. Exactly one of ``env`` / ``make_env``.
+        env: A single shared local env. Exactly one of ``env`` / ``make_env``. Or a
+            :class:`ServedEnv` holding what is served.
         make_env: Zero-argument factory building a fresh env per session.
         host: Interface to bind (default loopback).
         port: TCP port; 0 lets the OS pick one.
@@ -79,7 +74,7 @@ class OpenEnvServer:
 
     def __init__(
         self,
-        env: EnvLike | None = None,
+        env: EnvLike | ServedEnv | None = None,
         *,
         make_env: Callable[[], EnvLike] | None = None,
         host: str = "127.0.0.1",
@@ -96,18 +91,17 @@ class OpenEnvServer:
     ) -> None:
         checked_mode = server_mode(mode)
         settings = settings or ServerSettings()
-        self.host_sessions = build_session_host(
+        served = ServedEnv.of(
             env,
             make_env=make_env,
             env_name=env_name,
             max_concurrent_envs=max_concurrent_envs,
             token=token,
-            settings=settings,
             action_cls=action_cls,
             observation_cls=observation_cls,
             state_cls=state_cls,
-            owner="OpenEnvServer",
         )
+        self.host_sessions = build_session_host(served, settings, owner="OpenEnvServer")
         self.host_sessions.routes.mode = checked_mode
         self.settings = settings
         self._socket = _bind(host, port)
@@ -141,12 +135,12 @@ class OpenEnvServer:
     def unhealthy(self) -> str | None:
         """Why the server can no longer build envs reliably (its hung env calls used up the
         threads it replaces), or None while it can; ``/health`` answers 503 with it."""
-        return self.host_sessions.env_calls.threads.exhausted
+        return self.host_sessions.pool.env_calls.threads.exhausted
 
     @property
     def active_sessions(self) -> int:
         """Sessions open right now."""
-        return self.host_sessions.active_sessions
+        return self.host_sessions.pool.active_sessions
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop serving: open sessions are closed (code 1001) and the thread joined.
@@ -157,7 +151,7 @@ class OpenEnvServer:
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(timeout_s)
         self._socket.close()
-        self.host_sessions.env_calls.close()
+        self.host_sessions.pool.env_calls.close()
 
     def __enter__(self) -> OpenEnvServer:
         return self
@@ -196,99 +190,17 @@ class OpenEnvServer:
         ):
             self._started.set()
             await self._stop.wait()
-            await self.host_sessions.routes.mcp_sessions.close_all()
+            await self.host_sessions.pool.close_all()
 
 
 def build_session_host(
-    env: EnvLike | None = None,
-    *,
-    make_env: Callable[[], EnvLike] | None = None,
-    env_name: str | None = None,
-    max_concurrent_envs: int | None = DEFAULT_MAX_SESSIONS,
-    token: str | None = None,
-    settings: ServerSettings,
-    action_cls: type | None = None,
-    observation_cls: type | None = None,
-    state_cls: type | None = None,
-    owner: str = "OpenEnvServer",
+    served: ServedEnv, settings: ServerSettings, *, owner: str = "OpenEnvServer"
 ) -> SessionHost:
-    """The :class:`SessionHost` serving ``env`` or ``make_env``, as :class:`OpenEnvServer`
-    (and :func:`~agile_llmenvs.transport.asgi.create_asgi_app`) take them; ``owner`` names
-    the caller in errors. Raises as :class:`OpenEnvServer` documents."""
-    if (env is None) == (make_env is None):
-        raise ValueError(f"{owner} needs exactly one of `env` or `make_env`")
-    if env is not None and max_concurrent_envs == DEFAULT_MAX_SESSIONS:
-        max_concurrent_envs = 1
-    if env is not None and max_concurrent_envs not in (None, 1):
-        raise ValueError(
-            f"max_concurrent_envs={max_concurrent_envs} needs `make_env`: one shared `env` "
-            "serves one session at a time"
-        )
-    if max_concurrent_envs is not None and max_concurrent_envs < 1:
-        raise ValueError(f"max_concurrent_envs must be >= 1, got {max_concurrent_envs}")
-    given = {
-        k: v
-        for k, v in (
-            ("action_cls", action_cls),
-            ("observation_cls", observation_cls),
-            ("state_cls", state_cls),
-        )
-        if v is not None
-    }
-    shared: Environment | None = None
-    if env is not None:
-        shared = _as_environment(env, env_name, owns=False)
-        build: Callable[[], Environment] = lambda: shared  # noqa: E731
-        limit: int | None = 1
-        name = env_name or _name_of(env)
-    else:
-        assert make_env is not None
-        build = _Fresh(make_env, env_name)
-        limit = max_concurrent_envs
-        name = env_name or str(getattr(make_env, "__name__", "env"))
-    return SessionHost(
-        build,
-        env_name=name,
-        max_sessions=limit,
-        token=token,
-        settings=settings,
-        owns_envs=env is None,
-        types=_known_types(shared if env is not None else None, make_env, given),
-        given_types=given,
-    )
-
-
-class _Fresh:
-    """A fresh env per session, owned (and closed) by the session."""
-
-    def __init__(self, make_env: Callable[[], EnvLike], env_name: str | None) -> None:
-        self.make_env = make_env
-        self.env_name = env_name
-
-    def __call__(self) -> Environment:
-        return _as_environment(self.make_env(), self.env_name, owns=True)
-
-
-def _as_environment(env: EnvLike, env_name: str | None, *, owns: bool) -> Environment:
-    if isinstance(env, Environment):
-        return env
-    return OpenEnvWrapper(env, env_name=env_name, owns_inner=owns)
-
-
-def _known_types(
-    shared: Environment | None, make_env: Any, given: dict[str, type]
-) -> EnvTypes | None:
-    """The wire types when they are known before a session: a shared env's, or those of an
-    env class passed as the factory; otherwise None (the first env built tells)."""
-    if shared is not None:
-        return infer_env_types(shared, **given)
-    if isinstance(make_env, type) and issubclass(make_env, Environment):
-        return infer_env_types(make_env, **given)
-    return None
-
-
-def _name_of(env: Any) -> str:
-    return str(getattr(env, "env_name", None) or type(env).__name__)
+    """The :class:`SessionHost` serving ``served``, as :class:`OpenEnvServer` (and
+    :func:`~agile_llmenvs.transport.asgi.create_asgi_app`) serve it; ``owner`` names the
+    caller in errors. Raises as :class:`OpenEnvServer` documents."""
+    checked = served.checked(owner)
+    return SessionHost(EnvPool.serving(checked, settings), token=checked.token)
 
 
 def _bind(host: str, port: int) -> socket.socket:

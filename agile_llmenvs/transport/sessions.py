@@ -2,8 +2,9 @@
 
 It speaks exactly OpenEnv's wire format (OpenEnv's own client drives it) on the ``websockets``
 library's asyncio server, with no web framework between the socket and the env. Env calls
-run where :class:`~agile_llmenvs.transport.env_calls.EnvCalls` runs them; plain HTTP routes
-are :class:`~agile_llmenvs.transport.routes.HttpRoutes`.
+run where :class:`~agile_llmenvs.transport.env_calls.EnvCalls` runs them; the envs and the
+capacity are the :class:`~agile_llmenvs.transport.env_pool.EnvPool`'s; plain HTTP routes are
+:class:`~agile_llmenvs.transport.routes.HttpRoutes`.
 """
 
 from __future__ import annotations
@@ -11,11 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import inspect
 import json
 import logging
 import uuid
-from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -27,8 +26,9 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from agile_llmenvs.transport._openenv import Environment, deserialize_action
-from agile_llmenvs.transport.env_calls import Discard, EnvCalls
-from agile_llmenvs.transport.env_types import EnvTypes, infer_env_types
+from agile_llmenvs.transport.env_calls import Discard
+from agile_llmenvs.transport.env_pool import EnvPool
+from agile_llmenvs.transport.env_types import EnvTypes
 from agile_llmenvs.transport.http import SERVER_ERROR, HttpRequest, HttpResponse
 from agile_llmenvs.transport.idle import IdleClock, close_when_idle
 from agile_llmenvs.transport.mcp import parse_rpc
@@ -57,48 +57,22 @@ logger = logging.getLogger(__name__)
 class SessionHost:
     """Runs ``/ws`` sessions, and answers the HTTP routes (:class:`HttpRoutes`).
 
-    One capacity covers everything that builds an env: a ``/ws`` session from its first
-    valid message to its env's close, an MCP session made over HTTP, and each HTTP call that
-    needs an env of its own (``/reset``, ``/step``, ...). When it is full, a new one is
-    refused at once (``CAPACITY_REACHED``, HTTP 503), after idle MCP sessions are reaped.
+    Every env it serves comes from ``pool``, under the pool's one capacity: a ``/ws`` session
+    holds a slot from its first valid message to its env's close. When the pool is full, a
+    new session is refused at once (``CAPACITY_REACHED``, HTTP 503), after idle MCP sessions
+    are reaped.
 
     Args:
-        make_env: Builds the OpenEnv ``Environment`` of one session.
-        env_name: Name reported by ``/sessions``.
-        max_sessions: Live envs allowed at once (None: unlimited).
+        pool: The server's envs, their calls and its capacity.
         token: Shared secret a client must present (``Authorization: Bearer``, or ``?token=``)
             on every route but ``/health``.
-        settings: Timeouts and limits.
-        owns_envs: Close each session's env when the session ends (False for a shared env).
-        types: The env's wire types, when known before any env is built.
-        given_types: Classes the server was told (``action_cls`` and the like): they win over
-            what an env's annotations say.
     """
 
-    def __init__(
-        self,
-        make_env: Callable[[], Environment],
-        *,
-        env_name: str,
-        max_sessions: int | None,
-        token: str | None,
-        settings: ServerSettings,
-        owns_envs: bool = True,
-        types: EnvTypes | None = None,
-        given_types: dict[str, type] | None = None,
-    ) -> None:
-        self.make_env = make_env
-        self.types = types
-        self.given_types = given_types or {}
-        self.env_name = env_name
-        self.max_sessions = max_sessions
+    def __init__(self, pool: EnvPool, *, token: str | None) -> None:
+        self.pool = pool
+        self.settings = pool.settings
         self.token = token
-        self.settings = settings
-        self.owns_envs = owns_envs
-        self.active_sessions = 0
-        threads = settings.executor_threads or min(max_sessions or 256, 256)
-        self.env_calls = EnvCalls(settings, threads, lambda: self.active_sessions)
-        self.routes = HttpRoutes(self)
+        self.routes = HttpRoutes(pool)
         if token is not None and not token:
             raise ValueError(
                 "token is empty: an empty token would accept every client; pass a secret, or "
@@ -147,76 +121,16 @@ class SessionHost:
             presented = query.get("token", [""])[0]
         return hmac.compare_digest(presented.encode(), self.token.encode())
 
-    # -- env calls the routes share ----------------------------------------------------------
-
-    def types_of(self, env: Environment) -> EnvTypes:
-        """The wire types of ``env`` (and, from the first env built, of every session)."""
-        if self.types is None:
-            self.types = infer_env_types(env, **self.given_types)
-        return self.types
-
-    async def build_env(self) -> Environment:
-        """A fresh env from the factory, bounded like any env call."""
-        env: Environment = await self.env_calls.call_bounded(self.make_env)
-        self.types_of(env)
-        return env
-
-    async def close_env(self, env: Environment) -> None:
-        """Close ``env`` if this host owns its envs; a failing close is logged, not raised."""
-        if self.owns_envs:
-            try:
-                await self.env_calls.call_bounded(env.close)
-            except (Exception, Discard) as exc:
-                logger.warning("closing an env failed: %s", exc)
-
-    async def reset(self, env: Environment, kwargs: dict[str, Any]) -> Any:
-        """``env.reset(**kwargs)``, the kwargs it cannot take dropped (as OpenEnv does)."""
-        return await self.env_calls.call(env, "reset", **_reset_kwargs(env, kwargs))
-
-    async def step(self, env: Environment, action: Any) -> Any:
-        """``env.step(action)`` where the call policy runs env calls."""
-        return await self.env_calls.call(env, "step", action)
-
-    async def state(self, env: Environment) -> Any:
-        """``env.state`` in the thread pool, bounded like any env call."""
-        return await self.env_calls.call_bounded(lambda: env.state, "state")
-
-    async def metadata(self, env: Environment) -> Any:
-        """``env.get_metadata()`` in the thread pool, bounded like any env call."""
-        return await self.env_calls.call_bounded(env.get_metadata, "get_metadata")
-
     # -- capacity ----------------------------------------------------------------------------
-
-    def full(self) -> bool:
-        """Whether every slot holds a live env."""
-        return self.max_sessions is not None and self.active_sessions >= self.max_sessions
-
-    async def take_slot(self) -> bool:
-        """Take a slot for an env about to be built (idle MCP sessions are reaped first
-        when there is none); False when the server is at capacity."""
-        if self.full():
-            await self.routes.mcp_sessions.reap_idle()
-            if self.full():
-                return False
-        self.active_sessions += 1
-        return True
-
-    def free_slot(self) -> None:
-        """Give back a slot whose env is closed (or was never built)."""
-        self.active_sessions -= 1
-
-    def capacity_message(self) -> str:
-        """Why a new session is refused (OpenEnv's words)."""
-        return f"Server at capacity ({self.active_sessions}/{self.max_sessions} sessions)"
 
     async def _refuse(self, ws: ServerConnection) -> None:
         with contextlib.suppress(ConnectionClosed):
             await ws.send(
                 error_frame(
                     ErrorCode.CAPACITY_REACHED,
-                    self.capacity_message(),
-                    active_sessions=self.active_sessions,
-                    max_sessions=self.max_sessions,
+                    self.pool.capacity_message(),
+                    active_sessions=self.pool.active_sessions,
+                    max_sessions=self.pool.max_sessions,
                 )
             )
             await ws.close(1013, "at capacity")
@@ -236,21 +150,22 @@ class SessionHost:
         if session_id:  # a session made over HTTP (OpenEnv's MCPToolClient): counted already
             await self._attached_session(ws, session_id)
             return
-        if self.full():  # told right after the handshake, as OpenEnv does
-            await self.routes.mcp_sessions.reap_idle()
-            if self.full():
+        pool = self.pool
+        if pool.full():  # told right after the handshake, as OpenEnv does
+            await pool.reap_idle()
+            if pool.full():
                 await self._refuse(ws)
                 return
         first = await self._first_message(ws)
         if first is None:
             return
-        if not await self.take_slot():
+        if not await pool.take_slot():
             await self._refuse(ws)
             return
         try:
             await self._session(ws, first)
         finally:
-            self.free_slot()
+            pool.free_slot()
 
     async def _first_message(self, ws: ServerConnection) -> Any:
         """The connection's first valid message (invalid ones are answered with their
@@ -302,28 +217,28 @@ class SessionHost:
 
     async def _attached_session(self, ws: ServerConnection, session_id: str) -> None:
         try:
-            session = self.routes.mcp_sessions.attach(session_id)
+            session = self.pool.attach(session_id)
         except RuntimeError as exc:
             with contextlib.suppress(ConnectionClosed):
                 await ws.send(error_frame(ErrorCode.SESSION_ERROR, str(exc)))
                 await ws.close(1000)
             return
         try:
-            await self._serve(ws, session.env, self.types_of(session.env), None, session_id)
+            await self._serve(ws, session.env, self.pool.types_of(session.env), None, session_id)
         except (ConnectionClosed, Discard):
             pass
         finally:
-            await self.routes.mcp_sessions.detach(session_id)
+            await self.pool.detach(session_id)
 
     async def _session(self, ws: ServerConnection, first: str) -> None:
         try:
-            env = await self.env_calls.call_bounded(self.make_env)
+            env = await self.pool.env_calls.call_bounded(self.pool.make_env)
         except (Exception, Discard) as exc:
             failed = exc.exc if isinstance(exc, Discard) else exc
             logger.error("env factory failed: %s: %s", type(failed).__name__, failed)
             await _fail_session(ws, ErrorCode.FACTORY_ERROR, failed, "env factory failed")
             return
-        types = self.types_of(env)
+        types = self.pool.types_of(env)
         discarded = False
         try:
             async with contextlib.AsyncExitStack() as stack:
@@ -336,9 +251,9 @@ class SessionHost:
             discarded = True
             await _fail_session(ws, ErrorCode.EXECUTION_ERROR, failure.exc, "env discarded")
         finally:
-            if self.owns_envs or discarded:
+            if self.pool.owns_envs or discarded:
                 with contextlib.suppress(BaseException):
-                    await self.env_calls.call_bounded(env.close)
+                    await self.pool.env_calls.call_bounded(env.close)
 
     async def _serve(
         self,
@@ -391,13 +306,13 @@ class SessionHost:
             if kind == "close":
                 return None
             if kind == "state":  # a property, yet env code: off the loop and bounded
-                return state_frame(await self.state(env))
+                return state_frame(await self.pool.state(env))
             if kind == "reset":
-                observation = await self.env_calls.call(env, "reset", **_reset_kwargs(env, data))
+                observation = await self.pool.reset(env, data)
             elif kind == "mcp":
                 return await self._mcp(env, data, session_id)
             elif _plain_text_step(env, types, data):  # nearly every step of a hosted text env
-                frame: str = await self.env_calls.call(env, "step_frame", data["message"])
+                frame: str = await self.pool.env_calls.call(env, "step_frame", data["message"])
                 return frame
             else:
                 try:
@@ -406,7 +321,7 @@ class SessionHost:
                     return error_frame(
                         ErrorCode.VALIDATION_ERROR, "Invalid message", errors=validation_errors(exc)
                     )
-                observation = await self.env_calls.call(env, "step", action)
+                observation = await self.pool.step(env, action)
             return observation_frame(observation)
         except WireError as exc:
             return error_frame(exc.code, str(exc), **exc.extra)
@@ -451,20 +366,6 @@ def _plain_text_step(env: Environment, types: EnvTypes, data: dict[str, Any]) ->
         and len(data) == 1
         and type(data.get("message")) is str
     )
-
-
-_SIGNATURES: dict[type, inspect.Signature] = {}
-
-
-def _reset_kwargs(env: Environment, data: dict[str, Any]) -> dict[str, Any]:
-    """Drop reset kwargs the env cannot take, as OpenEnv does."""
-    cls = type(env)
-    if cls not in _SIGNATURES:
-        _SIGNATURES[cls] = inspect.signature(env.reset)
-    params = _SIGNATURES[cls].parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return data
-    return {k: v for k, v in data.items() if k in params}
 
 
 _FORBIDDEN = HttpResponse(HTTPStatus.FORBIDDEN, {"detail": "missing or wrong token"})

@@ -1,4 +1,4 @@
-"""Adapt a plain-text env (:class:`~agile_llmenvs.llm_envs.TextEnv`) to OpenEnv's typed ABC."""
+"""Adapt a plain-text env (:class:`~agile_llmenvs.core.TextEnv`) to OpenEnv's typed ABC."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from agile_llmenvs.transport.protocol import text_observation_frame
 from agile_llmenvs.transport.types import TextAction, TextObservation, TextState
 
 if TYPE_CHECKING:
-    from agile_llmenvs.llm_envs.contract import TextEnv
+    from agile_llmenvs.core.contract import TextEnv
 
 __all__ = ["OpenEnvWrapper", "jsonable"]
 

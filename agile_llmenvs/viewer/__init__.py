@@ -1,7 +1,7 @@
 """Looking at rollouts: a run's logged episodes as one self-contained HTML page.
 
 The GRPO trainer logs a few episodes every ``training.log_rollouts_every`` steps to
-``output_dir/rollouts.jsonl`` (:mod:`agile_llmenvs.training.rollout_log`);
+``output_dir/rollouts.jsonl`` (:mod:`agile_llmenvs.training.run.rollout_log`);
 ``agile-llmenvs show RUN`` (or :func:`write_page`) turns them, with the run's ``metrics.csv``,
 into ``RUN/rollouts.html``: transcripts coloured by provenance, per-turn rewards, stop reasons
 and the reward curve. The page needs no server, script or network. Nothing here imports torch.

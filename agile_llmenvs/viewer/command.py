@@ -7,6 +7,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from agile_llmenvs._run_files import ROLLOUTS_PAGE
 from agile_llmenvs.viewer.page import RunPage, render_page
 from agile_llmenvs.viewer.records import (
     METRICS_FILE,
@@ -53,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_show_command(args: argparse.Namespace) -> int:
     """Run ``show``; returns the exit status (a missing log raises :class:`RolloutLogError`,
     which the command line prints in one line and exits 2)."""
-    output = args.output or args.run_dir / "rollouts.html"
+    output = args.output or args.run_dir / ROLLOUTS_PAGE
     shown = write_page(args.run_dir, output, steps=args.steps, limit=args.limit)
     print(f"wrote {output}: {shown} episodes")
     return 0

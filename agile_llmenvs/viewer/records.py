@@ -1,6 +1,6 @@
 """What the viewer reads from a run folder: the logged episodes and the reward curve.
 
-The record models mirror what :mod:`agile_llmenvs.training.rollout_log` writes (its module
+The record models mirror what :mod:`agile_llmenvs.training.run.rollout_log` writes (its module
 docstring is the format). They are parsed here, not imported from the trainer's side, so
 that ``agile-llmenvs show`` never imports torch.
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from agile_llmenvs._run_files import METRICS_FILE, ROLLOUTS_FILE
 from agile_llmenvs.errors import AgileLLMEnvsError
 
 __all__ = [
@@ -31,9 +32,6 @@ __all__ = [
     "select_steps",
 ]
 
-#: The files of a run folder the viewer reads (the trainer's names for them).
-ROLLOUTS_FILE = "rollouts.jsonl"
-METRICS_FILE = "metrics.csv"
 
 # Fields a later version adds are ignored, so an older viewer still shows a newer run.
 _RECORD_CONFIG = ConfigDict(extra="ignore", frozen=True)

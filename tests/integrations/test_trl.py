@@ -23,6 +23,7 @@ import torch
 from integrations.trl_fakes import scripted
 from transformers import AutoTokenizer
 
+from agile_llmenvs.core import TokenSample
 from agile_llmenvs.envs import make_rollout_env_factory
 from agile_llmenvs.errors import EnvBuildError, EnvError
 from agile_llmenvs.integrations.trl import (
@@ -31,7 +32,6 @@ from agile_llmenvs.integrations.trl import (
     TRLEnvConfig,
     policy_text_reward,
 )
-from agile_llmenvs.llm_envs.episode import TokenSample
 from agile_llmenvs.specs import LLMEnvSpec
 
 pytestmark = pytest.mark.filterwarnings("ignore:You are using 'rollout_func'")

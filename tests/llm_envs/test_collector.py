@@ -85,7 +85,7 @@ def test_a_hung_env_is_replaced_after_the_timeout_while_the_others_finish(
     collect = collector(tokenizer, batch=2, group=2, turns=2, io_timeout_s=0.5, hang_s=5.0)
     prompts = collect.reset()
     assert all(prompts)
-    hung_harness = collect._slots[1].harness
+    hung_harness = collect.slots[1].harness
     start = time.monotonic()
     results = collect.step(
         {
@@ -101,8 +101,8 @@ def test_a_hung_env_is_replaced_after_the_timeout_while_the_others_finish(
     assert "exceeded io_timeout_s=0.5" in trajectories[1].episode.info["error"]
     assert [t.failed for t in trajectories] == [False, True, False, False]
     collect.reset()  # the slot gets a fresh env
-    assert collect._slots[1].harness is not None
-    assert collect._slots[1].harness is not hung_harness
+    assert collect.slots[1].harness is not None
+    assert collect.slots[1].harness is not hung_harness
     assert collect.live_slots == [0, 1, 2, 3]
 
 
@@ -217,13 +217,13 @@ def test_fast_in_process_envs_run_inline_until_calls_are_slow_in_a_row(tokenizer
     from agile_llmenvs.transport.calls import DEMOTE_STRIKES, WARMUP_CALLS
 
     collect = collector(tokenizer, batch=1, group=1, turns=1000)
-    policy = collect._calls
+    policy = collect.slots.calls
     assert not policy.inline(RowEnv)  # unproven: on a worker thread
     collect.reset()
     for _ in range(WARMUP_CALLS + 1):
         collect.step({0: [5, EOS]})
     assert policy.inline(RowEnv)
-    env = collect._slots[0].harness.client.env.inner  # type: ignore[union-attr]
+    env = collect.slots[0].harness.client.env.inner  # type: ignore[union-attr]
     hang = [*tokenizer.encode("hang", add_special_tokens=False), EOS]
     env.hang_s = 0.02
     for _ in range(DEMOTE_STRIKES - 1):

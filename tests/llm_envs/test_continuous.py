@@ -165,7 +165,7 @@ def test_env_failures_and_timeouts_fail_only_their_episodes(tokenizer: Any) -> N
     )
     assert batch.failed == 3
     hung_slot = batch.trajectories[2].slot
-    assert collect._slots[hung_slot].harness is None  # replaced: a fresh env on its next use
+    assert collect.slots[hung_slot].harness is None  # replaced: a fresh env on its next use
     assert all(t.reward == 1.0 for t in batch.trajectories if not t.failed)
 
 
@@ -260,7 +260,7 @@ def test_dynamic_sampling_refills_as_the_lock_step_path_does(tokenizer: Any) -> 
 def test_nothing_is_left_held_after_a_batch(tokenizer: Any) -> None:
     collect = collector(tokenizer, batch=2, group=2)
     collect.collect_continuous(ScriptedBackend(tokenizer, by_turn), PARAMS)
-    assert all(slot.episode_id is None for slot in collect._slots)
+    assert all(slot.episode_id is None for slot in collect.slots)
     assert collect.reset_episode().slot == 0  # the per-episode path finds them free
 
 

@@ -18,10 +18,10 @@ import pytest
 import typed_envs
 from pydantic import ValidationError
 
+from agile_llmenvs.core import RolloutBatch
 from agile_llmenvs.envs import make_rollout_env_factory
 from agile_llmenvs.llm_envs import OpenEnvServer, RolloutCollector, StopReason
 from agile_llmenvs.llm_envs.actions import INVALID_ACTION_FEEDBACK
-from agile_llmenvs.llm_envs.trajectory import RolloutBatch
 from agile_llmenvs.specs import LLMEnvSpec
 
 EOS = 2

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from agile_llmenvs import validation as validation_module
 from agile_llmenvs.cli import main
 from agile_llmenvs.errors import AgileLLMEnvsError, ManifestError
 from agile_llmenvs.specs import (
@@ -24,6 +23,7 @@ from agile_llmenvs.specs import (
 )
 from agile_llmenvs.specs import manifest as manifest_module
 from agile_llmenvs.specs.manifest import MAX_MANIFEST_BYTES
+from agile_llmenvs.validation import _files as validation_module
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
 

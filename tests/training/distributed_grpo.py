@@ -14,7 +14,8 @@ from typing import Any
 
 from agile_llmenvs.llm_envs.collector import RolloutCollector
 from agile_llmenvs.specs import load_manifest
-from agile_llmenvs.training import grpo, train_grpo
+from agile_llmenvs.training import train_grpo
+from agile_llmenvs.training.grpo import loop as grpo_loop
 
 rows: list[int | None] = []
 collect = RolloutCollector.collect
@@ -33,7 +34,7 @@ def _whole(param: Any) -> Any:
 
 
 steps: list[dict[str, float]] = []
-write_row = grpo._step
+write_row = grpo_loop._step
 
 
 def _recording_step(*args: Any, **kwargs: Any) -> dict[str, float]:
@@ -59,8 +60,8 @@ def _recording_save(output_dir: Path, step: int, run: Any) -> Path:
 
 if __name__ == "__main__":
     RolloutCollector.collect = _recording_collect  # type: ignore[method-assign]
-    grpo._save = _recording_save  # type: ignore[assignment]
-    grpo._step = _recording_step  # type: ignore[assignment]
+    grpo_loop._save = _recording_save  # type: ignore[assignment]
+    grpo_loop._step = _recording_step  # type: ignore[assignment]
     manifest = load_manifest(sys.argv[1])
     assert manifest.training is not None
     training = manifest.training.model_copy(

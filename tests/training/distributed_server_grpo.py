@@ -23,9 +23,10 @@ from whole_policy import whole_copy
 from agile_llmenvs.backends.hf import HFBackend
 from agile_llmenvs.backends.types import SamplingParams
 from agile_llmenvs.specs import load_manifest
-from agile_llmenvs.training import common, train_grpo
-from agile_llmenvs.training.lora import apply_lora
-from agile_llmenvs.training.server_rollouts import Round, ServerRollouts
+from agile_llmenvs.training import train_grpo
+from agile_llmenvs.training.generation import Round, ServerRollouts
+from agile_llmenvs.training.policy import apply_lora
+from agile_llmenvs.training.policy import loading as policy_loading
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 DIGITS = ("Say the digit 3.", "Say the digit 7.", "What is 2 + 2? Answer with a digit.")
@@ -86,7 +87,7 @@ if __name__ == "__main__":
     manifest = load_manifest(manifest_path)
     state["model_dir"] = manifest.model.path
     if sys.argv[3:] == ["random-adapters"]:
-        common.apply_lora = _random_adapters  # type: ignore[attr-defined]
+        policy_loading.apply_lora = _random_adapters  # type: ignore[attr-defined]
     ServerRollouts.sync = _checked_sync  # type: ignore[method-assign]
     ServerRollouts.next_round = _recording_next  # type: ignore[method-assign]
     result = train_grpo(manifest)

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from update_cases import update_delta
 
-from agile_llmenvs.training.grpo_update import UpdateSettings
+from agile_llmenvs.training.grpo import UpdateSettings
 
 if __name__ == "__main__":
     model_dir, loss_type, output = Path(sys.argv[1]), sys.argv[2], sys.argv[3]

@@ -21,7 +21,7 @@ from agile_llmenvs.backends.hf import HFBackend
 from agile_llmenvs.backends.types import SamplingParams
 from agile_llmenvs.specs import load_manifest
 from agile_llmenvs.training import train_grpo
-from agile_llmenvs.training.vllm_engine import PolicyVLLMEngine
+from agile_llmenvs.training.generation import PolicyVLLMEngine
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 QUESTIONS = ("Say a digit.", "What is 2 + 3?", "Count to three.")

@@ -11,9 +11,8 @@ from fakes import digit_messages
 from training.update_cases import load_model, make_learner
 
 from agile_llmenvs.backends import HFBackend, SamplingParams, TokenBackend, TokenDistribution
-from agile_llmenvs.training.grpo_update import UpdateSettings, grpo_update
-from agile_llmenvs.training.logprobs import scored_token_logps
-from agile_llmenvs.training.policy_batch import PolicyBatch
+from agile_llmenvs.training.grpo import PolicyBatch, UpdateSettings, grpo_update
+from agile_llmenvs.training.objective import scored_token_logps
 
 __all__ = ["SHAPED", "first_pass", "rollout_batch"]
 

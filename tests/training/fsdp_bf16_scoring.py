@@ -20,10 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from update_cases import LR, load_model, synthetic_batch
 
-from agile_llmenvs.training.common import autocast_forward
-from agile_llmenvs.training.grpo_update import UpdateSettings, grpo_update
-from agile_llmenvs.training.learner import Learner
-from agile_llmenvs.training.sharding import shard_policy
+from agile_llmenvs.training.grpo import UpdateSettings, grpo_update
+from agile_llmenvs.training.policy import Learner, autocast_forward, shard_policy
 
 if __name__ == "__main__":
     model_dir, output = Path(sys.argv[1]), sys.argv[2]

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from update_cases import load_model, synthetic_batch
 
-from agile_llmenvs.training.checkpoint import load_checkpoint, save_checkpoint
-from agile_llmenvs.training.grpo_update import UpdateSettings, grpo_update
-from agile_llmenvs.training.learner import Learner
+from agile_llmenvs.training.grpo import UpdateSettings, grpo_update
+from agile_llmenvs.training.policy import Learner
+from agile_llmenvs.training.run import load_checkpoint, save_checkpoint
 
 
 def _sharded_learner(model_dir: Path, accelerator: Any) -> Learner:

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from update_cases import LR, load_model, synthetic_batch
 
-from agile_llmenvs.training.grpo_update import UpdateSettings, grpo_update
-from agile_llmenvs.training.learner import Learner
+from agile_llmenvs.training.grpo import UpdateSettings, grpo_update
+from agile_llmenvs.training.policy import Learner
 
 
 def _full(model: torch.nn.Module) -> torch.Tensor:

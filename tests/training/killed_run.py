@@ -27,8 +27,11 @@ from agile_llmenvs.backends.hf import HFBackend
 from agile_llmenvs.llm_envs.collector import RolloutCollector
 from agile_llmenvs.llm_envs.dataset_env import DatasetEnv
 from agile_llmenvs.specs import RunManifest
-from agile_llmenvs.training import checkpoint, grpo, supervised, train_grpo, train_sft
-from agile_llmenvs.training.learner import Learner
+from agile_llmenvs.training import train_grpo, train_sft
+from agile_llmenvs.training.grpo import loop as grpo_loop
+from agile_llmenvs.training.policy import Learner
+from agile_llmenvs.training.run import checkpoint
+from agile_llmenvs.training.supervised import loop as supervised_loop
 
 counts: dict[str, int] = {}
 rows: list[Any] = []
@@ -57,10 +60,10 @@ def _wrap(owner: Any, name: str, where: str, kill_at: str, *, after: bool = Fals
 def _install(kill_at: str, log: Path) -> None:
     _wrap(HFBackend, "generate", "generate", kill_at)
     _wrap(Learner, "step", "learn", kill_at)
-    for module in (grpo, supervised):  # where the loops call it from
+    for module in (grpo_loop, supervised_loop):  # where the loops call it from
         _wrap(module, "save_checkpoint", "save", kill_at)
-    _wrap(checkpoint, "_publish", "publish", kill_at)
-    _wrap(checkpoint, "_prune", "prune", kill_at)
+    _wrap(checkpoint, "publish_checkpoint", "publish", kill_at)
+    _wrap(checkpoint, "prune_checkpoints", "prune", kill_at)
     real_save = checkpoint._save_synced
 
     def save_synced(obj: Any, path: Path) -> None:
@@ -88,7 +91,7 @@ def _install(kill_at: str, log: Path) -> None:
 
     DatasetEnv.next_batch = recording_next_batch  # type: ignore[method-assign]
 
-    from agile_llmenvs.training import metrics
+    from agile_llmenvs.training.run import metrics
 
     write = metrics.MetricsWriter.write
 

@@ -17,8 +17,12 @@ import torch
 
 from agile_llmenvs.backends.types import TokenDistribution
 from agile_llmenvs.errors import LogitTransformError
-from agile_llmenvs.training.logit_transform import LogitTransform, probe_logit_transform
-from agile_llmenvs.training.logprobs import _unwrap, scored_token_logps
+from agile_llmenvs.training.objective import (
+    LogitTransform,
+    probe_logit_transform,
+    scored_token_logps,
+)
+from agile_llmenvs.training.objective.logprobs import _unwrap
 
 VOCAB = 512
 #: Tiny sizes, set on a config wherever it has the field (under any of the usual names).

@@ -3,7 +3,7 @@ for an adapters-only weight sync.
 
 Usage: ``sharded_adapters.py MODEL_DIR FOLDER``. Before sharding, rank 0 saves the adapters
 with peft's own ``save_pretrained`` to ``FOLDER/../expected``; after it, every process calls
-:func:`~agile_llmenvs.training.server_sync.write_shared_adapters` (rank 0 names the folder).
+:func:`~agile_llmenvs.training.generation.write_shared_adapters` (rank 0 names the folder).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from accelerate import Accelerator
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
-from agile_llmenvs.specs.manifest import LoRASpec
-from agile_llmenvs.training.lora import apply_lora
-from agile_llmenvs.training.server_sync import write_shared_adapters
+from agile_llmenvs.specs import LoRASpec
+from agile_llmenvs.training.generation import write_shared_adapters
+from agile_llmenvs.training.policy import apply_lora
 
 if __name__ == "__main__":
     model_dir, folder = Path(sys.argv[1]), Path(sys.argv[2])

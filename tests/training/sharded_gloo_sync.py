@@ -21,7 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 from agile_llmenvs.backends import HFBackend, SamplingParams, VLLMServerBackend
-from agile_llmenvs.training.server_sync import ServerWeightSync
+from agile_llmenvs.training.generation import ServerWeightSync
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 

@@ -1,11 +1,11 @@
 """Run with 2 processes (gloo on CPU): two SGD updates of one of the cases that need a frozen
 reference or adapters, on a policy either data parallel (``ddp``: DDP over whole copies) or
-sharded by :func:`~agile_llmenvs.training.sharding.shard_policy` (``fsdp``).
+sharded by :func:`~agile_llmenvs.training.policy.sharding.shard_policy` (``fsdp``).
 
 Cases:
 
 - ``grpo_kl``: GRPO with a KL term (``beta`` 0.05) against the frozen reference of
-  :func:`~agile_llmenvs.training.common.reference_model` (under ``fsdp``, a copy sharded like
+  :func:`~agile_llmenvs.training.policy.reference_model` (under ``fsdp``, a copy sharded like
   the policy); rank 0 holds rows 0-4 of the synthetic batch and rank 1 rows 5-6, micro-batches
   of 3 rows, so one rank scores and learns from two micro-batches and the other from one.
 - ``grpo_kl_idle``: the same with every row on rank 0: rank 1 has nothing to score or
@@ -40,14 +40,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from update_cases import LR, load_model, synthetic_batch
 
 from agile_llmenvs.llm_envs.dataset_env import PreferenceBatch
-from agile_llmenvs.specs.manifest import LoRASpec
-from agile_llmenvs.training.common import ddp_settings, reference_model
-from agile_llmenvs.training.dpo import DPOObjective
-from agile_llmenvs.training.grpo_update import UpdateSettings, grpo_update
-from agile_llmenvs.training.learner import Learner
-from agile_llmenvs.training.lora import apply_lora
-from agile_llmenvs.training.sharding import shard_policy
-from agile_llmenvs.training.supervised import dataset_update
+from agile_llmenvs.specs import LoRASpec
+from agile_llmenvs.training.grpo import UpdateSettings, grpo_update
+from agile_llmenvs.training.policy import (
+    Learner,
+    apply_lora,
+    ddp_settings,
+    reference_model,
+    shard_policy,
+)
+from agile_llmenvs.training.supervised import DPOObjective, dataset_update
 
 GRPO = UpdateSettings(loss_type="dapo", max_completion_tokens=20, beta=0.05, micro_batch_size=3)
 LORA = LoRASpec(r=4, alpha=8, dropout=0.0)

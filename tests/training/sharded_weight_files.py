@@ -18,7 +18,7 @@ from accelerate import Accelerator
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
-from agile_llmenvs.training.weight_files import local_weights, write_weights
+from agile_llmenvs.weights import local_weights, write_weights
 
 if __name__ == "__main__":
     model_dir, mode, folder = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])

@@ -19,8 +19,8 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agile_llmenvs.errors import CheckpointError
-from agile_llmenvs.training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from agile_llmenvs.training.metrics import MetricsWriter
+from agile_llmenvs.training.run import MetricsWriter, load_checkpoint, save_checkpoint
+from agile_llmenvs.weights import find_checkpoint
 
 
 class Payload:

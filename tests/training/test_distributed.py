@@ -13,8 +13,8 @@ from training.launch import TWO_PROCESSES, accelerate_launch, launch_two
 
 from agile_llmenvs.specs import LLMEnvSpec, ModelSpec, RunManifest, TrainingSpec
 from agile_llmenvs.specs.manifest import dump_manifest
-from agile_llmenvs.training.checkpoint import find_checkpoint
-from agile_llmenvs.training.metrics import read_metrics
+from agile_llmenvs.training.run import read_metrics
+from agile_llmenvs.weights import find_checkpoint
 
 HERE = Path(__file__).resolve().parent
 MANIFEST = HERE.parents[1] / "manifests" / "quickstart.yaml"

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 
 from agile_llmenvs.cli import main
+from agile_llmenvs.core import EpisodeData, StopReason, Trajectory, failed_episode
 from agile_llmenvs.errors import EnvFailuresError
-from agile_llmenvs.llm_envs.episode import EpisodeData, StopReason
 from agile_llmenvs.llm_envs.tasks import Task
-from agile_llmenvs.llm_envs.trajectory import Trajectory, failed_episode
-from agile_llmenvs.training.env_failures import EnvFailures, failure_kind
+from agile_llmenvs.training.run import EnvFailures, failure_kind
 
 # A two-turn env with a bug on its second turn: `undefined_name` is a NameError.
 BUGGY_ENV = """\

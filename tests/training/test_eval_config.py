@@ -14,8 +14,8 @@ import yaml
 from agile_llmenvs.cli import main
 from agile_llmenvs.config import EvalConfig
 from agile_llmenvs.specs import load_manifest
-from agile_llmenvs.training.common import TrainResult
 from agile_llmenvs.training.eval_config import eval_config_for, unevaluable_reason
+from agile_llmenvs.training.run import TrainResult
 
 ROOT = Path(__file__).resolve().parents[2]
 OWN_ENV = ROOT / "examples" / "own_env"

@@ -11,9 +11,15 @@ from typing import Any
 import pytest
 import torch
 
-from agile_llmenvs.llm_envs.episode import EpisodeData, StopReason, TokenSample
+from agile_llmenvs.core import (
+    EpisodeData,
+    RolloutBatch,
+    StopReason,
+    TokenSample,
+    Trajectory,
+    failed_episode,
+)
 from agile_llmenvs.llm_envs.tasks import Task
-from agile_llmenvs.llm_envs.trajectory import RolloutBatch, Trajectory, failed_episode
 from agile_llmenvs.specs import RunManifest
 from agile_llmenvs.training import CheckpointError, train_grpo
 from agile_llmenvs.training.grpo import GRPO_METRICS, build_policy_batch

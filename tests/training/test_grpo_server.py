@@ -21,9 +21,10 @@ from vllm_servers import LORA_SERVER_RANK, start_vllm_server
 from agile_llmenvs.backends.vllm_launch import VLLMServerProcess
 from agile_llmenvs.specs import load_manifest
 from agile_llmenvs.tiny_model import build_tiny_model
-from agile_llmenvs.training import common, train_grpo
-from agile_llmenvs.training.lora import apply_lora
-from agile_llmenvs.training.server_rollouts import Round, ServerRollouts
+from agile_llmenvs.training import train_grpo
+from agile_llmenvs.training.generation import Round, ServerRollouts
+from agile_llmenvs.training.policy import apply_lora
+from agile_llmenvs.training.policy import loading as policy_loading
 
 pytestmark = [pytest.mark.vllm_server, pytest.mark.slow]
 
@@ -140,7 +141,7 @@ def test_a_lora_policy_syncs_its_adapters_and_the_server_follows(
         return policy
 
     monkeypatch.setattr(ServerRollouts, "sync", checked_sync)
-    monkeypatch.setattr(common, "apply_lora", random_adapters)
+    monkeypatch.setattr(policy_loading, "apply_lora", random_adapters)
     steps = 3
     manifest = _manifest(
         vllm_model_dir,

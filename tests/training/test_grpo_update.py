@@ -12,7 +12,7 @@ from accelerate import Accelerator
 from training.launch import launch_two
 from training.update_cases import load_model, make_learner, synthetic_batch, update_delta
 
-from agile_llmenvs.training.grpo_update import UpdateSettings, grpo_update
+from agile_llmenvs.training.grpo import UpdateSettings, grpo_update
 
 HERE = Path(__file__).resolve().parent
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")

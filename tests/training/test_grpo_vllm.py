@@ -25,7 +25,7 @@ from agile_llmenvs.backends.types import Generation  # noqa: E402
 from agile_llmenvs.specs import ModelSpec, TrainingSpec, load_manifest  # noqa: E402
 from agile_llmenvs.tiny_model import build_tiny_model  # noqa: E402
 from agile_llmenvs.training import train_grpo  # noqa: E402
-from agile_llmenvs.training.vllm_engine import PolicyVLLMEngine  # noqa: E402
+from agile_llmenvs.training.generation import PolicyVLLMEngine  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
@@ -173,7 +173,7 @@ def test_sleeping_between_steps_is_refused_where_vllm_cannot_sleep(model_dir: Pa
     from vllm.platforms import current_platform
 
     from agile_llmenvs.errors import AgileLLMEnvsError
-    from agile_llmenvs.specs.manifest import VLLMGenerationSpec
+    from agile_llmenvs.specs import VLLMGenerationSpec
 
     if current_platform.is_sleep_mode_available():
         pytest.skip("this vLLM can sleep here")

@@ -21,8 +21,7 @@ from agile_llmenvs.llm_envs.rows import DatasetError
 from agile_llmenvs.specs import LLMEnvSpec, RunManifest
 from agile_llmenvs.tiny_vlm import IMAGE_TOKEN, load_processor
 from agile_llmenvs.training import train_sft
-from agile_llmenvs.training.sft import SFTObjective
-from agile_llmenvs.training.supervised import labelled_logps
+from agile_llmenvs.training.supervised import SFTObjective, labelled_logps
 from agile_llmenvs.transport.images import ImageObservationError
 
 RED, BLUE, GREEN = (200, 30, 30), (30, 30, 200), (30, 200, 30)

@@ -16,9 +16,9 @@ from agile_llmenvs.llm_envs import RolloutCollector, RolloutHarness
 from agile_llmenvs.specs import ModelSpec, TrainingSpec, load_manifest
 from agile_llmenvs.tiny_vlm import load_processor
 from agile_llmenvs.training import train_grpo
-from agile_llmenvs.training.logprobs import scored_token_logps
-from agile_llmenvs.training.policy_batch import build_policy_batch
-from agile_llmenvs.training.sampling import Sampler
+from agile_llmenvs.training.generation import Sampler
+from agile_llmenvs.training.grpo import build_policy_batch
+from agile_llmenvs.training.objective import scored_token_logps
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
 

@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 from agile_llmenvs.specs import RunManifest
-from agile_llmenvs.training.checkpoint import find_checkpoint
+from agile_llmenvs.weights import find_checkpoint
 
 HERE = Path(__file__).resolve().parent
 STEPS = 5

@@ -19,8 +19,11 @@ from training.logit_families import (
 
 from agile_llmenvs.backends.types import TokenDistribution
 from agile_llmenvs.errors import LogitTransformError
-from agile_llmenvs.training.logit_transform import LogitTransform, probe_logit_transform
-from agile_llmenvs.training.logprobs import scored_token_logps
+from agile_llmenvs.training.objective import (
+    LogitTransform,
+    probe_logit_transform,
+    scored_token_logps,
+)
 
 #: The fast subset: plain families and the post-head transforms the issue names.
 FAST = {
@@ -156,7 +159,7 @@ def test_a_model_whose_logits_cannot_be_reproduced_is_refused() -> None:
         "would train on other log-probs than the sampler's. Supported: a scale, then a tanh "
         "soft cap read from the config's `final_logit_softcapping`, `logits_soft_cap`, "
         "`output_logit_soft_cap`; describe another transform in "
-        "agile_llmenvs/training/logit_transform.py"
+        "agile_llmenvs/training/objective/logit_transform.py"
     )
     pattern = re.escape(expected).replace("NUM", r"[0-9.e+-]+")
     with pytest.raises(LogitTransformError, match=f"^{pattern}$"):

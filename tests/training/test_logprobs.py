@@ -9,7 +9,7 @@ import torch
 from training.update_cases import load_model
 
 from agile_llmenvs.backends.types import TokenDistribution
-from agile_llmenvs.training.logprobs import scored_token_logps
+from agile_llmenvs.training.objective import scored_token_logps
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -14,16 +14,15 @@ import torch
 from training.launch import launch_two
 
 from agile_llmenvs.errors import CheckpointError, OptionalDependencyError
-from agile_llmenvs.specs import RunManifest
-from agile_llmenvs.specs.manifest import LoRASpec
-from agile_llmenvs.training import grpo_setup, supervised, train_dpo, train_grpo, train_sft
-from agile_llmenvs.training.common import reference_model
-from agile_llmenvs.training.lora import (
+from agile_llmenvs.specs import LoRASpec, RunManifest
+from agile_llmenvs.training import train_dpo, train_grpo, train_sft
+from agile_llmenvs.training.grpo import setup as grpo_setup
+from agile_llmenvs.training.policy import AdaptersOffReference, apply_lora, reference_model
+from agile_llmenvs.training.supervised import loop as supervised_loop
+from agile_llmenvs.weights import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
-    AdaptersOffReference,
     adapter_rank,
-    apply_lora,
     merged_weights,
 )
 
@@ -83,7 +82,7 @@ def test_lora_sft_lowers_the_loss_training_only_the_adapters(
     tiny_model_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    policies = _Policies(supervised, monkeypatch)
+    policies = _Policies(supervised_loop, monkeypatch)
     result = train_sft(make_manifest("sft_digits_lora.yaml", max_steps=30))
     losses = [row["loss"] for row in result.metrics]
     # the tied embedding stays frozen, so the tiny model's loss plateaus near 5.3 nats

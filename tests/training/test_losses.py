@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from agile_llmenvs.training.losses import (
+from agile_llmenvs.training.objective import (
     TokenCounts,
     approx_kl,
     dpo_loss,

@@ -13,8 +13,8 @@ import pytest
 from agile_llmenvs.errors import OptionalDependencyError
 from agile_llmenvs.specs import RunManifest
 from agile_llmenvs.training import train_sft
-from agile_llmenvs.training.metrics import MetricsWriter, read_metrics
-from agile_llmenvs.training.sft import SFT_METRICS
+from agile_llmenvs.training.run import MetricsWriter, read_metrics
+from agile_llmenvs.training.supervised import SFT_METRICS
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 

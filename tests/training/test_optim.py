@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.specs import RunManifest
-from agile_llmenvs.training.optim import (
+from agile_llmenvs.training.policy import (
     check_master_weights,
     lr_factor,
     make_optimizer,

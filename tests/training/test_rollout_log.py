@@ -10,18 +10,20 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from agile_llmenvs._run_files import ROLLOUTS_FILE
+from agile_llmenvs.core import (
+    EpisodeData,
+    RolloutBatch,
+    StopReason,
+    TokenSample,
+    Trajectory,
+    failed_episode,
+)
 from agile_llmenvs.llm_envs.collector import RolloutCollector
-from agile_llmenvs.llm_envs.episode import EpisodeData, StopReason, TokenSample
 from agile_llmenvs.llm_envs.tasks import Task
-from agile_llmenvs.llm_envs.trajectory import RolloutBatch, Trajectory, failed_episode
 from agile_llmenvs.specs import RunManifest, TrainingSpec
 from agile_llmenvs.training import train_grpo
-from agile_llmenvs.training.rollout_log import (
-    ROLLOUTS_FILE,
-    RolloutLog,
-    episode_record,
-    provenance,
-)
+from agile_llmenvs.training.run import RolloutLog, episode_record, provenance
 
 RECORD_KEYS = ["step", "group", "slot", "task", "reward", "rewards", "stop_reason", "samples"]
 SAMPLE_KEYS = ["token_ids", "provenance", "turn_ids", "spans"]

@@ -16,17 +16,12 @@ from typing import Any
 import pytest
 import yaml
 
+from agile_llmenvs._run_files import RUN_LOCK
 from agile_llmenvs.cli import main
 from agile_llmenvs.errors import CheckpointError
 from agile_llmenvs.specs import ModelSpec, RunManifest, TrainingSpec, dump_manifest, load_manifest
 from agile_llmenvs.training import train_dpo, train_sft
-from agile_llmenvs.training.run_folder import (
-    RUN_LOCK,
-    RunFolderLock,
-    manifest_differences,
-    output_dir_of,
-    plan_run,
-)
+from agile_llmenvs.training.run import RunFolderLock, manifest_differences, output_dir_of, plan_run
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
@@ -137,7 +132,7 @@ def test_a_rerun_without_flags_refuses_and_leaves_the_run_as_it_was(
 _HOLD_THE_LOCK = """
 import sys, time
 from pathlib import Path
-from agile_llmenvs.training.run_folder import RunFolderLock
+from agile_llmenvs.training.run import RunFolderLock
 lock = RunFolderLock.acquire(Path(sys.argv[1]))
 print("locked", flush=True)
 time.sleep(120)

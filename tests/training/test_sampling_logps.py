@@ -13,8 +13,7 @@ from training.first_pass import SHAPED, first_pass, rollout_batch
 from training.update_cases import load_model, make_learner
 
 from agile_llmenvs.backends import HFBackend, SamplingParams, TokenDistribution
-from agile_llmenvs.training.grpo_update import UpdateSettings, grpo_update
-from agile_llmenvs.training.policy_batch import PolicyBatch
+from agile_llmenvs.training.grpo import PolicyBatch, UpdateSettings, grpo_update
 
 
 @pytest.mark.parametrize("params", SHAPED.values(), ids=SHAPED.keys())

@@ -15,11 +15,10 @@ import pytest
 from pydantic import ValidationError
 
 from agile_llmenvs.backends.types import SamplingParams
-from agile_llmenvs.llm_envs.episode import EpisodeData, StopReason
+from agile_llmenvs.core import EpisodeData, RolloutBatch, StopReason, Trajectory
 from agile_llmenvs.llm_envs.tasks import Task
-from agile_llmenvs.llm_envs.trajectory import RolloutBatch, Trajectory
 from agile_llmenvs.specs import RunManifest
-from agile_llmenvs.training.server_rollouts import ServerRollouts
+from agile_llmenvs.training.generation import ServerRollouts
 
 
 class _Backend:

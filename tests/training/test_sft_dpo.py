@@ -8,8 +8,7 @@ import pytest
 
 from agile_llmenvs.specs import RunManifest
 from agile_llmenvs.training import train_dpo, train_sft
-from agile_llmenvs.training.dpo import DPO_METRICS
-from agile_llmenvs.training.sft import SFT_METRICS
+from agile_llmenvs.training.supervised import DPO_METRICS, SFT_METRICS
 
 
 def _mean(values: list[float]) -> float:

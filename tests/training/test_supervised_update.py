@@ -10,9 +10,8 @@ from accelerate import Accelerator
 from training.update_cases import load_model, make_learner
 
 from agile_llmenvs.llm_envs.dataset_env import PreferenceBatch, SFTBatch
-from agile_llmenvs.training.dpo import DPOObjective
-from agile_llmenvs.training.learner import micro_batch_slices
-from agile_llmenvs.training.sft import SFTObjective
+from agile_llmenvs.training.policy import micro_batch_slices
+from agile_llmenvs.training.supervised import DPOObjective, SFTObjective
 
 
 def _rows(seed: int, lengths: list[int], prompt: int) -> tuple[torch.Tensor, ...]:

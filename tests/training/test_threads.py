@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from agile_llmenvs.specs import RunManifest
-from agile_llmenvs.training import threads, train_grpo
-from agile_llmenvs.training.threads import (
+from agile_llmenvs.training import train_grpo
+from agile_llmenvs.training.policy import (
     SMALL_MODEL_PARAMETERS,
     choose_cpu_threads,
     set_cpu_threads,
+    threads,
 )
 
 
@@ -74,8 +75,8 @@ def test_a_run_on_the_tiny_model_uses_one_thread_and_says_so(
 ) -> None:
     monkeypatch.setattr(threads, "_TORCH_DEFAULT", 2)
     torch.set_num_threads(2)
-    with caplog.at_level("INFO", logger="agile_llmenvs.training.threads"):
+    with caplog.at_level("INFO", logger="agile_llmenvs.training.policy.threads"):
         train_grpo(make_manifest("quickstart.yaml", max_steps=1, batch_size=2, group_size=2))
     assert torch.get_num_threads() == 1
-    [record] = [r for r in caplog.records if r.name == "agile_llmenvs.training.threads"]
+    [record] = [r for r in caplog.records if r.name == "agile_llmenvs.training.policy.threads"]
     assert record.getMessage().startswith("torch intra-op threads: 1 (a small model (")

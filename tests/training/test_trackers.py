@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from agile_llmenvs._run_files import TRACKER_IDS
 from agile_llmenvs.errors import OptionalDependencyError
 from agile_llmenvs.specs import RunManifest, TrainingSpec
 from agile_llmenvs.training import train_dpo, train_grpo
-from agile_llmenvs.training.metrics import read_metrics
-from agile_llmenvs.training.trackers import PROJECT, TRACKER_IDS, TRL_NAMES, open_trackers
+from agile_llmenvs.training.run import PROJECT, TRL_NAMES, open_trackers, read_metrics
 from agile_llmenvs.validation import check_run_manifest
 
 _WANDB_BLOCK = 32768  # the .wandb file: LevelDB's log format, records in 32 KiB blocks
@@ -254,7 +254,7 @@ def test_a_fresh_start_does_not_continue_stored_runs(
         def start(self) -> None:
             started.append((self.name, self.given))
 
-    from agile_llmenvs.training import trackers
+    from agile_llmenvs.training.run import trackers
 
     monkeypatch.setattr(
         trackers, "_make_tracker", lambda name, _, __, run_id: Tracker(name, run_id)

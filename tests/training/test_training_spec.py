@@ -9,8 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from agile_llmenvs.errors import OptionalDependencyError
-from agile_llmenvs.specs import RunManifest, TrainingSpec
-from agile_llmenvs.specs.manifest import LoRASpec, VLLMGenerationSpec
+from agile_llmenvs.specs import LoRASpec, RunManifest, TrainingSpec, VLLMGenerationSpec
 from agile_llmenvs.training import train_grpo
 from agile_llmenvs.validation import problems_of
 

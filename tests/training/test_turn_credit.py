@@ -31,25 +31,23 @@ from branch_envs import DoorEnv, SerialDoorEnv, UnforkableDoorEnv, door_manifest
 from pydantic import ValidationError
 from training.launch import TWO_PROCESSES, accelerate_launch
 
+from agile_llmenvs.core import RolloutBatch
 from agile_llmenvs.llm_envs import RolloutCollector, RolloutHarness
-from agile_llmenvs.llm_envs.trajectory import RolloutBatch
 from agile_llmenvs.training import train_grpo
 from agile_llmenvs.training.credit import (
-    anchor_key,
-    anchor_turn_advantages,
-    batch_turn_advantages,
-    mc_turn_advantages,
-)
-from agile_llmenvs.training.losses import group_advantages, group_rewards, reward_scale
-from agile_llmenvs.training.metrics import read_metrics
-from agile_llmenvs.training.policy_batch import build_policy_batch
-from agile_llmenvs.training.turn_values import (
     BranchTextEnv,
     CreditSettings,
     StateValues,
+    anchor_key,
+    anchor_turn_advantages,
+    batch_turn_advantages,
     collector_checkpoints,
     estimate_values,
+    mc_turn_advantages,
 )
+from agile_llmenvs.training.grpo import build_policy_batch
+from agile_llmenvs.training.objective import group_advantages, group_rewards, reward_scale
+from agile_llmenvs.training.run import read_metrics
 from agile_llmenvs.transport.client import InProcessEnvClient
 
 SCRIPTS = {"cell": ["a", "x"], "hall": ["b", "y", "b"], "door": ["z"]}

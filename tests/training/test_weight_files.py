@@ -15,12 +15,7 @@ from safetensors.torch import load_file
 from training.launch import launch_two
 from transformers import AutoModelForCausalLM
 
-from agile_llmenvs.training.weight_files import (
-    local_weights,
-    rank_file,
-    read_weights,
-    write_weights,
-)
+from agile_llmenvs.weights import local_weights, rank_file, read_weights, write_weights
 
 HERE = Path(__file__).resolve().parent
 

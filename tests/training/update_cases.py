@@ -12,10 +12,9 @@ from typing import Any
 
 import torch
 
-from agile_llmenvs.training.grpo_update import UpdateSettings, grpo_update
-from agile_llmenvs.training.learner import Learner
-from agile_llmenvs.training.logprobs import scored_token_logps
-from agile_llmenvs.training.policy_batch import PolicyBatch
+from agile_llmenvs.training.grpo import PolicyBatch, UpdateSettings, grpo_update
+from agile_llmenvs.training.objective import scored_token_logps
+from agile_llmenvs.training.policy import Learner
 
 ROWS = 7
 LR = 0.1

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from agile_llmenvs.training.sharding import is_sharded
+from agile_llmenvs.training.policy import is_sharded
 
 
 def whole_copy(policy: Any, model_dir: str | Path, *, on_rank: int | None = 0) -> Any:
@@ -23,7 +23,7 @@ def whole_copy(policy: Any, model_dir: str | Path, *, on_rank: int | None = 0) -
         return None
     from transformers import AutoModelForCausalLM
 
-    from agile_llmenvs.training.lora import ADAPTER, is_lora
+    from agile_llmenvs.weights import ADAPTER, is_lora
 
     copy = AutoModelForCausalLM.from_pretrained(model_dir)
     if is_lora(policy):  # the same adapters on an unsharded base, the parameters in order

@@ -152,9 +152,9 @@ def test_idle_handshakes_are_closed_and_build_no_env() -> None:
 
 def test_the_default_capacity_is_bounded_and_an_empty_token_is_refused() -> None:
     with OpenEnvServer(make_env=EchoEnv) as server:
-        assert server.host_sessions.max_sessions == DEFAULT_MAX_SESSIONS == 256
+        assert server.host_sessions.pool.max_sessions == DEFAULT_MAX_SESSIONS == 256
     with OpenEnvServer(env=EchoEnv()) as shared:
-        assert shared.host_sessions.max_sessions == 1
+        assert shared.host_sessions.pool.max_sessions == 1
     with pytest.raises(ValueError, match="token is empty: an empty token would accept every"):
         OpenEnvServer(make_env=EchoEnv, token="")
     with pytest.raises(ValueError, match="token is empty: it would send no credentials at all"):

@@ -1,0 +1,36 @@
+"""Turn-level credit (``training.credit``): how an episode's advantage is shared among its
+turns, and the Monte-Carlo values of mid-episode states that ``turn_mc`` measures them by."""
+
+from __future__ import annotations
+
+from agile_llmenvs.training.credit.advantages import (
+    TurnAdvantages,
+    anchor_key,
+    anchor_turn_advantages,
+    batch_turn_advantages,
+    mc_turn_advantages,
+    returns_to_go,
+)
+from agile_llmenvs.training.credit.turn_values import (
+    BranchTextEnv,
+    CreditSettings,
+    StateValues,
+    TurnCheckpoints,
+    collector_checkpoints,
+    estimate_values,
+)
+
+__all__ = [
+    "BranchTextEnv",
+    "CreditSettings",
+    "StateValues",
+    "TurnAdvantages",
+    "TurnCheckpoints",
+    "anchor_key",
+    "anchor_turn_advantages",
+    "batch_turn_advantages",
+    "collector_checkpoints",
+    "estimate_values",
+    "mc_turn_advantages",
+    "returns_to_go",
+]

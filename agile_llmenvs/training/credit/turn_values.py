@@ -1,0 +1,424 @@
+"""Monte-Carlo values of mid-episode states, for GRPO's ``credit: turn_mc``.
+
+While the collector plays a batch, :class:`TurnCheckpoints` checkpoints each episode at its
+turn boundaries with a branching strategy (Direct for an env declaring ``pure_step = True``,
+ProcessFork for any in-process env, ActionReplay for a deterministic one: see
+:mod:`~agile_llmenvs.branching`), together with a copy of the harness's episode there. After
+the batch, :func:`estimate_values` continues ``credit_rollouts`` times from every state kept,
+all of them in lock-step with the current policy (one generate call per round for every
+continuation of the batch), and each state's value is the mean return of its continuations.
+
+An episode whose env cannot branch (a served env, an env that is not a ``TextEnv``, a
+checkpoint the strategy refused) keeps its episode advantage and is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from agile_llmenvs.branching.checkpoint import BranchStrategy, Checkpoint, HeldCheckpoint
+from agile_llmenvs.branching.direct import DirectStrategy
+from agile_llmenvs.branching.fork import ProcessForkStrategy
+from agile_llmenvs.branching.replay import ActionReplayStrategy
+from agile_llmenvs.core import StepTuple, StopReason, TextEnv, TokenSample, Trajectory
+from agile_llmenvs.core.images import ImagePrompt
+from agile_llmenvs.core.text_env import adopt_episode, from_text_env
+from agile_llmenvs.core.types import Action, Environment, State
+from agile_llmenvs.errors import EnvStateError
+from agile_llmenvs.llm_envs.episode_state import EpisodeState
+from agile_llmenvs.llm_envs.harness import RolloutHarness
+from agile_llmenvs.transport.client import InProcessEnvClient
+from agile_llmenvs.transport.wrapper import OpenEnvWrapper, accepted_reset_kwargs
+
+__all__ = [
+    "BranchTextEnv",
+    "CreditSettings",
+    "StateValues",
+    "TurnCheckpoints",
+    "collector_checkpoints",
+    "estimate_values",
+]
+
+logger = logging.getLogger(__name__)
+
+Generate = Callable[[list[Any]], Sequence[Any]]
+
+
+@dataclass(frozen=True)
+class CreditSettings:
+    """``turn_mc``'s settings, resolved from the manifest's ``training`` section.
+
+    Attributes:
+        rollouts: Continuations per branched state (``credit_rollouts``).
+        turns: Which boundaries are valued: ``all``, ``first:N`` or ``entropy:N``.
+        max_tokens: Tokens one continuation may sample (None: no cap).
+        branching: ``auto``, ``direct``, ``process_fork`` or ``action_replay``.
+    """
+
+    rollouts: int = 4
+    turns: str = "all"
+    max_tokens: int | None = None
+    branching: str = "auto"
+
+    @classmethod
+    def from_spec(cls, config: Any) -> CreditSettings:
+        """The settings of a :class:`~agile_llmenvs.specs.TrainingSpec`."""
+        return cls(
+            config.credit_rollouts,
+            config.credit_turns,
+            config.credit_max_tokens,
+            config.credit_branching,
+        )
+
+    @property
+    def limit(self) -> int | None:
+        """N of ``first:N`` / ``entropy:N`` (None for ``all``)."""
+        return None if self.turns == "all" else int(self.turns.split(":")[1])
+
+    def checkpoints_at(self, turn: int) -> bool:
+        """Whether the state before ``turn`` (>= 1) is checkpointed while the batch plays:
+        every one for ``all`` and ``entropy:N`` (chosen after the episode), turns 1..N for
+        ``first:N``."""
+        return turn >= 1 and (not self.turns.startswith("first:") or turn <= (self.limit or 0))
+
+    def chosen(self, samples: Sequence[TokenSample], turns: int) -> set[int]:
+        """The boundaries ``t`` (``0 < t < turns``) valued for an episode: all of them, the
+        first N, or, for ``entropy:N``, the states after the N turns (of the first
+        ``turns - 1``) whose sampled tokens had the highest mean surprisal ``-log p``, the
+        sampler's estimate of the policy's entropy there."""
+        boundaries = set(range(1, turns))
+        if self.turns == "all" or self.turns.startswith("first:"):
+            return {t for t in boundaries if self.checkpoints_at(t)}
+        surprisal = turn_surprisal(samples, turns)
+        ranked = sorted(range(turns - 1), key=lambda t: (-surprisal[t], t))
+        return {t + 1 for t in ranked[: self.limit]}
+
+
+def turn_surprisal(samples: Sequence[TokenSample], turns: int) -> list[float]:
+    """Each turn's mean ``-log p`` of its sampled tokens over the episode's samples (0 where
+    the sampler gave none)."""
+    totals, counts = [0.0] * turns, [0] * turns
+    for sample in samples:
+        logps = iter(sample.sampling_logps)
+        for sampled, turn in zip(sample.action_mask, sample.turn_ids, strict=True):
+            if not sampled:
+                continue
+            value = next(logps, math.nan)
+            if 0 <= turn < turns and math.isfinite(value):
+                totals[turn] -= value
+                counts[turn] += 1
+    return [total / count if count else 0.0 for total, count in zip(totals, counts, strict=True)]
+
+
+@dataclass
+class _Point:
+    """A checkpointed state: the harness's episode there, and the strategy's hold on it."""
+
+    turn: int
+    snapshot: EpisodeState
+    held: HeldCheckpoint
+    harness: RolloutHarness  # the slot's: continuations share its settings and framing
+
+
+class TurnCheckpoints:
+    """The collector's observer: checkpoints every live episode at each boundary.
+
+    One serves a whole run: :meth:`release` frees a batch's checkpoints after its values are
+    estimated, :meth:`close` the strategy too (ProcessFork's zygote process).
+
+    Args:
+        settings: What to checkpoint and how to branch.
+        text_env_factory: Builds a fresh instance of the batch's env (ActionReplay and Direct
+            branches are built from it).
+
+    Attributes:
+        points: By slot: the batch's checkpointed states, in turn order.
+        refused: By slot: why the slot's episode could not be checkpointed.
+    """
+
+    def __init__(self, settings: CreditSettings, text_env_factory: Callable[[], TextEnv]) -> None:
+        self.settings, self.text_env_factory = settings, text_env_factory
+        self.points: dict[int, list[_Point]] = {}
+        self.refused: dict[int, str] = {}
+        self._strategy: BranchStrategy | None = None
+        self._episodes = 0
+
+    def __call__(self, harnesses: dict[int, RolloutHarness]) -> None:
+        for slot, harness in harnesses.items():
+            turn = harness.turns_played
+            if slot in self.refused or not self.settings.checkpoints_at(turn):
+                continue
+            try:
+                self._hold(slot, harness, turn)
+            except Exception as exc:  # this episode cannot branch: it keeps its own advantage
+                self.refused[slot] = f"{type(exc).__name__}: {exc}"
+
+    def _hold(self, slot: int, harness: RolloutHarness, turn: int) -> None:
+        env = _text_env(harness)
+        snapshot = harness.snapshot()
+        self._episodes += 1
+        state = _state_of(snapshot, env, self._episodes)
+        actions = tuple(Action.from_text(turn.action) for turn in snapshot.texts)
+        reset_options = {**state.task, "seed": state.seed}
+        checkpoint = Checkpoint(f"{slot}:{turn}", state, actions, reset_options)
+        strategy = self._strategy_for(env)
+        if isinstance(strategy, ProcessForkStrategy):
+            held: HeldCheckpoint = strategy.hold(checkpoint, adopt_episode(env, state))
+        else:
+            held = strategy.hold(checkpoint)
+        self.points.setdefault(slot, []).append(_Point(turn, snapshot, held, harness))
+
+    def _strategy_for(self, env: TextEnv) -> BranchStrategy:
+        if self._strategy is None:
+            self._strategy = _strategy(self.settings.branching, env, self.text_env_factory)
+        return self._strategy
+
+    @property
+    def strategy_name(self) -> str | None:
+        """The strategy in use (None before the first checkpoint)."""
+        return None if self._strategy is None else self._strategy.name
+
+    def release(self) -> None:
+        """Free the batch's checkpoints and their branches (the next batch starts afresh)."""
+        points, self.points = self.points, {}
+        self.refused = {}
+        for held in points.values():
+            for point in held:
+                point.held.release()
+
+    def close(self) -> None:
+        """:meth:`release`, and free the strategy's own processes."""
+        self.release()
+        if self._strategy is not None:
+            self._strategy.close()
+            self._strategy = None
+
+
+def _strategy(name: str, env: TextEnv, factory: Callable[[], TextEnv]) -> BranchStrategy:
+    """The strategy ``name`` picks for the batch's env (``auto``: Direct for an env declaring
+    ``pure_step = True``, else ProcessFork)."""
+    if name == "auto":
+        name = "direct" if getattr(env, "pure_step", False) else "process_fork"
+    label = type(env).__name__
+    if name == "direct":
+        return DirectStrategy(from_text_env(factory, name=label, pure_step=True))
+    if name == "action_replay":
+        return ActionReplayStrategy(lambda: from_text_env(factory, name=label))
+    forkable = _LiveEnvSpec(label, bool(getattr(env, "forkable", True)))
+    return ProcessForkStrategy(
+        cast(Environment, forkable), lambda: from_text_env(factory, name=label)
+    )
+
+
+@dataclass(frozen=True)
+class _LiveEnvSpec:
+    """Stands for the batch's envs where ProcessFork checks its spec (each checkpoint ships
+    its own live env)."""
+
+    name: str
+    forkable: bool
+
+    @property
+    def spec(self) -> Any:
+        from agile_llmenvs.core.types import EnvironmentSpec
+
+        return EnvironmentSpec(name=self.name, forkable=self.forkable)
+
+
+def _text_env(harness: RolloutHarness) -> TextEnv:
+    """The text env a harness plays in this process.
+
+    Raises:
+        EnvStateError: the harness plays a served env or an OpenEnv ``Environment``.
+    """
+    client = harness.client
+    env = getattr(client, "env", None) if isinstance(client, InProcessEnvClient) else None
+    if not isinstance(env, OpenEnvWrapper):
+        raise EnvStateError(
+            f"{type(client).__name__} plays an env that cannot be branched here: turn_mc "
+            "branches text envs built in this process (an `entrypoint` env)"
+        )
+    return env.inner
+
+
+def _state_of(snapshot: EpisodeState, env: TextEnv, episode_id: int) -> State:
+    """The snapshot's point of the episode as a :class:`State`: the observations as user
+    turns and the actions the env read as assistant turns."""
+    messages: list[dict[str, Any]] = []
+    for turn in snapshot.texts:
+        messages += [
+            {"role": "user", "content": turn.prompt},
+            {"role": "assistant", "content": turn.action},
+        ]
+    messages.append({"role": "user", "content": snapshot.prompt_text})
+    kwargs = dict(snapshot.reset_kwargs)
+    seed = kwargs.pop("seed", None)
+    return State(
+        observation=snapshot.prompt_text,
+        messages=tuple(messages),
+        step_count=len(snapshot.texts),
+        task=accepted_reset_kwargs(env, kwargs),
+        episode_id=episode_id,
+        seed=seed,
+    )
+
+
+class BranchTextEnv:
+    """A branch's ``(env, state)`` (from a strategy's checkpoint) as a text env that goes on
+    from the state: what a continuation's harness plays on."""
+
+    def __init__(self, env: Environment, state: State) -> None:
+        self.env, self.state = env, state
+
+    def reset(self, *, seed: int | None = None, **task: Any) -> tuple[str, dict[str, Any]]:
+        raise EnvStateError("a branch starts mid-episode; it is never reset")
+
+    def step(self, action: str) -> StepTuple:
+        result = self.env.step(self.state, Action.from_text(action))
+        self.state = result.next_state
+        return (
+            result.next_state.observation,
+            result.reward,
+            result.terminated,
+            result.truncated,
+            dict(result.info),
+        )
+
+    def close(self) -> None:
+        """Nothing: the checkpoint's release closes its branches."""
+
+
+@dataclass
+class _Continuation:
+    slot: int
+    turn: int
+    harness: RolloutHarness
+    tokens: int = 0
+
+
+@dataclass
+class StateValues:
+    """What :func:`estimate_values` measured.
+
+    Attributes:
+        values: By slot: ``V(s_t)`` of each state valued, by ``t``.
+        tokens: Tokens the continuations sampled.
+        seconds: Wall time of the continuations (generation and env).
+        gen_seconds: The part spent generating.
+        failed: Continuations whose env failed (left out of the means).
+        refused: By slot: why its episode could not be branched (it keeps its episode
+            advantage).
+    """
+
+    values: dict[int, dict[int, float]] = field(default_factory=dict)
+    refused: dict[int, str] = field(default_factory=dict)
+    tokens: int = 0
+    seconds: float = 0.0
+    gen_seconds: float = 0.0
+    failed: int = 0
+
+    @property
+    def env_seconds(self) -> float:
+        """The part not spent generating: branching, the continuations' env steps, the
+        harness."""
+        return max(self.seconds - self.gen_seconds, 0.0)
+
+    @property
+    def states(self) -> int:
+        """States valued."""
+        return sum(len(v) for v in self.values.values())
+
+
+def estimate_values(
+    checkpoints: TurnCheckpoints,
+    trajectories: Sequence[Trajectory],
+    generate: Generate,
+) -> StateValues:
+    """Value the chosen states of each trajectory by ``rollouts`` continuations each.
+
+    Each trajectory's states are its slot's checkpoints. A state's continuations run from a copy of
+    the harness's episode there on a branch of its env; every continuation of the batch
+    generates in one call per round. A continuation ends as an episode does, or once it has
+    sampled ``max_tokens`` (its return is then the rewards so far).
+    """
+    settings = checkpoints.settings
+    start = time.perf_counter()
+    continuations: list[_Continuation] = []
+    for trajectory in trajectories:
+        slot = trajectory.slot
+        points = checkpoints.points.get(slot, [])
+        episode = trajectory.episode
+        if not points or trajectory.failed:
+            continue
+        chosen = settings.chosen(episode.samples, episode.num_turns)
+        for point in points:
+            if point.turn not in chosen:
+                continue
+            try:
+                branches = [point.held.branch() for _ in range(settings.rollouts)]
+            except Exception as exc:  # a replay that missed the state: the state is not valued
+                checkpoints.refused.setdefault(slot, f"{type(exc).__name__}: {exc}")
+                continue
+            action_field = getattr(point.harness.client, "action_field", "message")
+            for env, state in branches:
+                client = InProcessEnvClient(BranchTextEnv(env, state), action_field=action_field)
+                harness = point.harness.branch(point.snapshot, client)
+                continuations.append(_Continuation(slot, point.turn, harness))
+    result = StateValues()
+    _play(continuations, generate, settings.max_tokens, result)
+    returns: dict[tuple[int, int], list[float]] = {}
+    for c in continuations:
+        data = c.harness.get_episode_data()
+        if data.stop_reason is StopReason.ENV_ERROR:
+            result.failed += 1
+            continue
+        returns.setdefault((c.slot, c.turn), []).append(sum(data.rewards[c.turn :]))
+    for (slot, turn), values in returns.items():
+        result.values.setdefault(slot, {})[turn] = sum(values) / len(values)
+    result.refused = dict(checkpoints.refused)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _play(
+    continuations: list[_Continuation],
+    generate: Generate,
+    max_tokens: int | None,
+    result: StateValues,
+) -> None:
+    """Play every continuation to its end, one generate call per round for all."""
+    live = list(continuations)
+    while live:
+        contexts = [_context(c.harness) for c in live]
+        gen_start = time.perf_counter()
+        outputs = generate(contexts)
+        result.gen_seconds += time.perf_counter() - gen_start
+        for c, output in zip(live, outputs, strict=True):
+            ids, logps = output if isinstance(output, tuple) else (output, None)
+            c.tokens += len(ids)
+            result.tokens += len(ids)
+            c.harness.step(ids, logps)
+            if not c.harness.done and max_tokens is not None and c.tokens >= max_tokens:
+                c.harness.abort(f"credit_max_tokens={max_tokens} reached")
+        live = [c for c in live if not c.harness.done]
+
+
+def _context(harness: RolloutHarness) -> Any:
+    images = harness.context_images
+    ids = harness.context_ids
+    return ids if images is None else ImagePrompt(ids, images)
+
+
+def collector_checkpoints(collector: Any, settings: CreditSettings) -> TurnCheckpoints:
+    """A :class:`TurnCheckpoints` for ``collector``'s batch: fresh envs come from its env
+    factory (a harness's env, the harness left unused)."""
+
+    def text_env() -> TextEnv:
+        return _text_env(collector.env_factory(**collector.env_config))
+
+    return TurnCheckpoints(settings, text_env)

@@ -1,0 +1,480 @@
+"""GRPO on a rollout env: sample groups, score them, and push up what beat its group.
+
+One step: the collector plays ``batch_size`` groups of ``group_size`` episodes with the
+current policy (an :class:`HFBackend` over the unwrapped model, no grad; or a vLLM engine
+given the policy's weights after every step), or ``vllm serve`` processes have played it ahead
+within ``max_staleness`` policy versions (:mod:`~agile_llmenvs.training.generation.server_rollouts`;
+groups with an older member are dropped); each finished episode's advantage is its reward
+minus the mean of its group's finished members, over a std as ``scale_rewards`` says; then
+:func:`~agile_llmenvs.training.grpo.update.grpo_update` takes ``num_iterations`` passes of
+``mini_batches`` optimizer steps on PPO's clipped importance-ratio surrogate against the
+sampler's own log-probs (plus ``beta`` times a k3 KL to the starting policy), each step
+accumulated over micro-batches and normalised as ``loss_type`` says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agile_llmenvs._run_files import METRICS_FILE, METRICS_PLOT, ROLLOUTS_FILE
+from agile_llmenvs.core import RolloutBatch, Trajectory
+from agile_llmenvs.specs import RunManifest, TrainingSpec
+from agile_llmenvs.training.credit import (
+    CreditSettings,
+    StateValues,
+    TurnAdvantages,
+    batch_turn_advantages,
+    collector_checkpoints,
+    estimate_values,
+)
+from agile_llmenvs.training.grpo.held_out import EVAL_METRICS
+from agile_llmenvs.training.grpo.policy_batch import PolicyBatch, build_policy_batch
+from agile_llmenvs.training.grpo.setup import GRPORun, setup_run, step_seed
+from agile_llmenvs.training.grpo.update import grpo_update
+from agile_llmenvs.training.objective import group_advantages, group_rewards, reward_scale
+from agile_llmenvs.training.run import (
+    EnvFailures,
+    MetricsWriter,
+    Progress,
+    RolloutLog,
+    RunPlan,
+    StopRequest,
+    TrainResult,
+    open_trackers,
+    plan_run,
+    plot_metrics,
+    save_checkpoint,
+    start_run,
+    tensorboard_setting,
+    training_spec,
+)
+
+__all__ = ["GRPO_METRICS", "train_grpo"]
+
+logger = logging.getLogger(__name__)
+
+#: The columns of a GRPO run's ``metrics.csv``, in order.
+GRPO_METRICS = (
+    "step",
+    "reward_mean",
+    "reward_std",
+    "informative_groups",
+    "loss",
+    "kl",
+    "clip_fraction",
+    "grad_norm",
+    "tokens_per_s",
+    "step_time_s",
+    "gen_time_s",
+    "env_time_s",
+    "learn_time_s",
+    "weight_sync_time_s",
+    "ratio_mean",
+    "ratio_max",
+    "entropy",
+    "failed_episodes",
+    "dropped_groups",
+    "stale_groups",
+    "policy_lag_max",
+    "policy_tokens",
+    "credit_tokens",
+    "credit_states",
+    "credit_fallback_episodes",
+    "credit_time_s",
+    "credit_env_time_s",
+    "learning_rate",
+    *EVAL_METRICS,
+)
+
+
+def train_grpo(
+    manifest: RunManifest, *, resume: bool = False, overwrite: bool = False
+) -> TrainResult:
+    """Train the manifest's model with GRPO on its rollout env.
+
+    Args:
+        manifest: A run manifest with ``env_type: rollout`` and ``training.algorithm: grpo``.
+        resume: Continue from the checkpoint in ``output_dir`` (the same task sequence, and
+            ``metrics.csv`` appended to), if this manifest may
+            (:data:`~agile_llmenvs.training.run.folder.RESUMABLE_CHANGES`); a run already at
+            ``max_steps`` is left as it is.
+        overwrite: Replace the run ``output_dir`` holds; without it (or ``resume``) a
+            folder that holds a run is refused.
+
+    Returns:
+        The run's steps, metric rows and file locations.
+
+    Raises:
+        CheckpointError: ``output_dir`` holds a run and neither ``resume`` nor
+            ``overwrite`` is set; or ``resume`` without a checkpoint there, or of a run this
+            manifest may not resume.
+        OptionalDependencyError: ``training.lora`` without ``peft``, or
+            ``generation_backend: vllm`` without ``vllm``.
+    """
+    plan = plan_run(manifest, resume=resume, overwrite=overwrite)
+    try:
+        return _run(manifest, plan, resume)
+    except BaseException:
+        plan.abandon()  # a run that never finished a step leaves the folder as it was
+        raise
+    finally:
+        plan.release()
+
+
+def _run(manifest: RunManifest, plan: RunPlan, resume: bool) -> TrainResult:
+    """:func:`train_grpo` in the folder ``plan`` holds."""
+    config = training_spec(manifest)
+    if plan.complete:
+        return plan.complete_result()
+    output_dir = plan.output_dir
+    run = setup_run(manifest, config, output_dir, resume)
+    try:
+        start_run(plan, manifest, run.accelerator)
+        with StopRequest() as stop:
+            history = _train(run, config, manifest.seed, output_dir, resume, stop)
+        steps = run.start_step + len(history)
+        checkpoint_dir = _save(output_dir, steps, run)
+    finally:
+        run.close()
+    if run.accelerator.is_main_process:
+        panels = ("reward_mean", "loss") + (("eval_reward_mean",) if config.eval_every else ())
+        plot_metrics(output_dir / METRICS_FILE, output_dir / METRICS_PLOT, panels)
+    stopped_by = stop.signal_name if steps < config.max_steps else None
+    return TrainResult(
+        output_dir, steps, history, output_dir / METRICS_FILE, checkpoint_dir, stopped_by
+    )
+
+
+def _train(
+    run: GRPORun,
+    config: TrainingSpec,
+    seed: int,
+    output_dir: Path,
+    resume: bool,
+    stop: StopRequest,
+) -> list[dict[str, float]]:
+    """Run the steps left, writing each one's metrics and the periodic checkpoints; a
+    SIGINT / SIGTERM ends the loop after the step it arrives in (``seed``: the manifest's)."""
+    main = run.accelerator.is_main_process
+    writer = rollouts = None
+    if main:
+        writer = MetricsWriter(
+            output_dir / METRICS_FILE,
+            GRPO_METRICS,
+            resume_step=run.start_step if resume else None,
+            tensorboard=tensorboard_setting(config),
+            trackers=open_trackers(config, output_dir, resume=resume),
+        )
+        rollouts = RolloutLog(
+            output_dir / ROLLOUTS_FILE,
+            run.tokenizer,
+            every=config.log_rollouts_every,
+            count=config.log_rollouts_count,
+            resume_step=run.start_step if resume else None,
+        )
+    history: list[dict[str, float]] = []
+    progress = Progress("grpo", start=run.start_step, total=config.max_steps, enabled=main)
+    failures = EnvFailures(config.max_failed_fraction, config.max_failed_steps, report=main)
+    episodes = config.batch_size * config.group_size
+    try:
+        for step in range(run.start_step, config.max_steps):
+            step_rng = step_seed(seed, step, run.accelerator.process_index)
+            row = _step(run, config, step + 1, step_rng, rollouts, failures)
+            row.update(_evaluate(run, step + 1))
+            history.append(row)
+            if writer is not None:
+                writer.write(row)
+            if (step + 1) % config.log_every == 0:
+                shown = {"reward": row["reward_mean"], "loss": row["loss"]}
+                if failures.seen:  # once the env has failed, the share of each step
+                    shown["failed"] = row["failed_episodes"] / episodes
+                progress.show(**shown)
+            progress.advance()
+            failures.check(step + 1, int(row["failed_episodes"]), episodes)
+            if stop.requested(run.accelerator):
+                break
+            last = step + 1 == config.max_steps  # the final save follows
+            if config.save_every and (step + 1) % config.save_every == 0 and not last:
+                _save(output_dir, step + 1, run)
+    finally:
+        progress.close()
+        if writer is not None:
+            writer.close()
+    return history
+
+
+def _evaluate(run: GRPORun, step: int) -> dict[str, float]:
+    """The held-out evaluation after ``step`` when one is due (NaN, an empty cell, if not)."""
+    if run.held_out is None or not run.held_out.due(step):
+        return dict.fromkeys(EVAL_METRICS, math.nan)
+    policy = run.accelerator.unwrap_model(run.model)
+    return run.held_out.run(policy, run.tokenizer, run.accelerator)
+
+
+def _step(
+    run: GRPORun,
+    config: TrainingSpec,
+    step: int,
+    seed: int,
+    rollouts: RolloutLog | None = None,
+    failures: EnvFailures | None = None,
+) -> dict[str, float]:
+    """One GRPO step: collect, score, learn, and (vLLM) send the new weights to the engine
+    or the servers; ``rollouts`` (the main process's) then logs a few episodes when the step
+    is due, and its failed ones always; ``failures`` reports new kinds of env failure.
+
+    ``env_time_s`` is everything but generation, learning, the weight sync and the
+    ``turn_mc`` continuations (``credit_time_s``): the envs, the harness, the collector,
+    advantages and batch building. With servers the rollouts
+    were played ahead; ``gen_time_s`` is then the time this step waited for them.
+    """
+    step_start = time.perf_counter()
+    rollout, rewards_GN, gen_time, values = _collect(run, config, seed, step - 1)
+    finished_GN = torch.tensor([not t.failed for t in rollout.trajectories])
+    finished_GN = finished_GN.view_as(rewards_GN)
+    fresh_GN = torch.ones_like(finished_GN)
+    if run.server is not None:  # a stale group is dropped whole: its advantages are relative
+        stale_G = torch.tensor(run.server.stale_groups(rollout, step - 1))
+        fresh_GN &= ~stale_G[:, None]
+    advantages_GN, kept_GN, turns = _advantages(
+        run, config, rollout, rewards_GN, finished_GN & fresh_GN, values
+    )
+    pad_id = run.tokenizer.pad_token_id or 0
+    advantages_B = advantages_GN.flatten().float()  # centred in float64, trained in float32
+    batch = build_policy_batch(
+        rollout,
+        advantages_B,
+        pad_id,
+        kept_GN.flatten().tolist(),
+        turn_advantages=turns.per_turn if turns is not None else None,
+    )
+    learning_rate = run.learner.scheduler.get_last_lr()[0]
+    learn_start = time.perf_counter()
+    losses = grpo_update(run.learner, batch.to(run.accelerator.device), run.settings, run.reference)
+    learn_time = time.perf_counter() - learn_start
+    sync_start = time.perf_counter()
+    if run.engine is not None:
+        run.engine.load_weights(run.accelerator.unwrap_model(run.model))
+    if run.server is not None and run.server.sync_due(step):
+        run.server.sync(run.accelerator.unwrap_model(run.model), version=step)
+    sync_time = time.perf_counter() - sync_start
+    step_time = time.perf_counter() - step_start
+    credit_time = values.seconds if values is not None else 0.0
+    timings = {
+        "credit_time_s": credit_time,
+        "credit_env_time_s": values.env_seconds if values is not None else 0.0,
+        "gen_time_s": gen_time,
+        "env_time_s": step_time - gen_time - credit_time - learn_time - sync_time,
+        "learn_time_s": learn_time,
+        "weight_sync_time_s": sync_time,
+        "step_time_s": step_time,
+    }
+    counts = {
+        "failed_episodes": float((~finished_GN).sum()),
+        "dropped_groups": float((~kept_GN.any(dim=1)).sum()),
+        "stale_groups": float((~fresh_GN.all(dim=1)).sum()),
+        "policy_tokens": float(sum(_sampled_tokens(t) for t in rollout.trajectories)),
+        "credit_tokens": float(values.tokens if values is not None else 0),
+        "credit_states": float(values.states if values is not None else 0),
+        "credit_fallback_episodes": float(turns.fallback_episodes if turns is not None else 0),
+    }
+    measured = {
+        **losses,
+        **timings,
+        "learning_rate": learning_rate,
+        "policy_lag_max": _policy_lag(rollout, kept_GN, step - 1),
+    }
+    if rollouts is not None:  # after the timings: decoding is not part of the step
+        rollouts.maybe_write(step, rollout.trajectories)
+    if failures is not None:
+        failures.see(step, rollout.trajectories)
+    return _step_row(run, step, rewards_GN, finished_GN, batch, rollout, measured, counts)
+
+
+def _advantages(
+    run: GRPORun,
+    config: TrainingSpec,
+    rollout: RolloutBatch,
+    rewards_GN: torch.Tensor,
+    trained_GN: torch.Tensor,
+    values: StateValues | None,
+) -> tuple[torch.Tensor, torch.Tensor, TurnAdvantages | None]:
+    """GRPO's episode advantages over the members that train, which of them are kept, and
+    (``credit`` other than ``episode``) each turn's share (docs/training.md)."""
+    over_processes = _sum_over_processes(run.accelerator)
+    advantages_GN, kept_GN = group_advantages(
+        rewards_GN,
+        scale=config.scale_rewards,
+        finished_GN=trained_GN,
+        sum_over_processes=over_processes,
+    )
+    if config.credit == "episode":
+        return advantages_GN, kept_GN, None
+    scale_G1 = reward_scale(
+        rewards_GN,
+        scale=config.scale_rewards,
+        finished_GN=trained_GN,
+        sum_over_processes=over_processes,
+    )
+    turns = batch_turn_advantages(
+        config.credit,
+        rollout.trajectories,
+        rewards_GN,
+        advantages_GN,
+        kept_GN,
+        scale_G1,
+        values.values if values is not None else None,
+    )
+    return advantages_GN, kept_GN, turns
+
+
+def _step_row(
+    run: GRPORun,
+    step: int,
+    rewards_GN: torch.Tensor,
+    finished_GN: torch.Tensor,
+    batch: PolicyBatch,
+    rollout: RolloutBatch,
+    measured: dict[str, float],
+    counts: dict[str, float],
+) -> dict[str, float]:
+    """The step's metrics: means over processes, except counts (summed) and the throughput.
+
+    Reward statistics are over the episodes that finished.
+    """
+    finished = rewards_GN[finished_GN]
+    local = {
+        "reward_mean": finished.mean().item() if finished.numel() else 0.0,
+        "reward_std": finished.std(unbiased=False).item() if finished.numel() else 0.0,
+        **measured,
+    }
+    row = _reduce(run.accelerator, local, "mean")
+    totals = {
+        "tokens": float(batch.action_mask_BT.sum()),
+        "informative_groups": float(rollout.informative_groups),
+        **counts,
+    }
+    totals = _reduce(run.accelerator, totals, "sum")
+    row.update(
+        step=float(step),
+        tokens_per_s=totals.pop("tokens") / max(row["step_time_s"], 1e-9),
+        **totals,
+    )
+    return row
+
+
+def _policy_lag(rollout: RolloutBatch, kept_GN: torch.Tensor, version: int) -> float:
+    """How many versions the oldest trained episode's policy lags ``version`` by (0 for
+    rollouts sampled from the policy itself, which record no version)."""
+    lags = [
+        version - t.policy_version
+        for t, kept in zip(rollout.trajectories, kept_GN.flatten().tolist(), strict=True)
+        if kept and t.policy_version is not None
+    ]
+    return float(max(lags, default=0))
+
+
+def _collect(
+    run: GRPORun, config: TrainingSpec, seed: int, step_index: int
+) -> tuple[RolloutBatch, torch.Tensor, float, StateValues | None]:
+    """The batch of step ``step_index`` (0-based): played now with the current policy, or
+    (servers) the round played ahead for it. Returns it, its rewards ``[G, N]``, the
+    seconds spent generating its episodes (with servers: waiting for the round), and with
+    ``credit: turn_mc`` the values of its states (continuations branched from checkpoints
+    taken while it played)."""
+    if run.server is not None:
+        played, waited = run.server.next_round(step_index)
+        rewards_GN = group_rewards([t.reward for t in played.batch.trajectories], config.group_size)
+        return played.batch, rewards_GN, waited, None
+    run.sampler.params = dataclasses.replace(run.sampler.params, seed=seed)
+    run.sampler.seconds, run.sampler.calls = 0.0, 0
+    run.accelerator.unwrap_model(run.model).eval()
+    checkpoints = None
+    if config.credit == "turn_mc":
+        if run.checkpoints is None:  # one for the run: ProcessFork's zygote is started once
+            settings = CreditSettings.from_spec(config)
+            run.checkpoints = collector_checkpoints(run.collector, settings)
+        checkpoints = run.checkpoints
+    values = None
+    with torch.no_grad():
+        try:
+            rollout = run.collector.collect(
+                run.sampler, dynamic_sampling=config.dynamic_sampling, observe=checkpoints
+            )
+            gen_time = run.sampler.seconds
+            if checkpoints is not None:
+                values = estimate_values(checkpoints, rollout.trajectories, run.sampler)
+                _warn_refused(values, run.credit_refusals)
+        finally:
+            if checkpoints is not None:
+                checkpoints.release()
+        run.sampler.drain()
+    if run.engine is not None:  # learning has the device (sleep_between_steps)
+        run.engine.sleep()
+    rewards_GN = group_rewards([t.reward for t in rollout.trajectories], config.group_size)
+    return rollout, rewards_GN, gen_time, values
+
+
+def _warn_refused(values: StateValues, shown: set[str]) -> None:
+    """Say once a run per kind (``shown``: the kinds said) why episodes could not be branched
+    (they keep their episode advantage; ``credit_fallback_episodes`` counts them each step)."""
+    for reason in values.refused.values():
+        kind = reason.split(":", 1)[0]
+        if kind not in shown:
+            shown.add(kind)
+            logger.warning(
+                "credit: turn_mc cannot branch an episode (%s); it keeps its episode "
+                "advantage, counted in credit_fallback_episodes",
+                reason,
+            )
+
+
+def _sampled_tokens(trajectory: Trajectory) -> int:
+    """Tokens the policy sampled in ``trajectory``'s episode."""
+    return sum(sum(sample.action_mask) for sample in trajectory.episode.samples)
+
+
+def _save(output_dir: Path, step: int, run: GRPORun) -> Path:
+    collector_state = (
+        run.server.resume_state(step) if run.server is not None else run.collector.state_dict()
+    )
+    return save_checkpoint(
+        output_dir,
+        step=step,
+        accelerator=run.accelerator,
+        model=run.model,
+        optimizer=run.learner.optimizer,
+        tokenizer=run.processor or run.tokenizer,
+        rank_state={"collector": collector_state},
+        scheduler=run.learner.scheduler,
+        keep=run.keep_checkpoints,
+    )
+
+
+def _sum_over_processes(accelerator: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Sums a CPU tensor over processes: each holds only its share of the batch's groups
+    (``None`` on one process, which holds them all)."""
+    if accelerator.num_processes == 1:
+        return None
+
+    def total(tensor: torch.Tensor) -> torch.Tensor:
+        return accelerator.reduce(tensor.to(accelerator.device), reduction="sum").cpu()
+
+    return total
+
+
+def _reduce(accelerator: Any, values: dict[str, float], reduction: str) -> dict[str, float]:
+    """Reduce each metric over processes (``"mean"`` or ``"sum"``; identity on one process)."""
+    if accelerator.num_processes == 1:
+        return {key: float(value) for key, value in values.items()}
+    tensor = torch.tensor([float(v) for v in values.values()], device=accelerator.device)
+    reduced = accelerator.reduce(tensor, reduction=reduction).tolist()
+    return dict(zip(values, reduced, strict=True))

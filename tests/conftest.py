@@ -15,13 +15,25 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 # after the offline settings: it imports the package (and transformers)
-from vllm_servers import vllm_lora_server, vllm_model_dir, vllm_server, vllm_server_factory
+from vllm_servers import (
+    vllm_lora_server,
+    vllm_model_dir,
+    vllm_server,
+    vllm_server_factory,
+    vllm_training_server,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO_ROOT / "manifests"
 
 # real `vllm serve` fixtures
-__all__ = ["vllm_lora_server", "vllm_model_dir", "vllm_server", "vllm_server_factory"]
+__all__ = [
+    "vllm_lora_server",
+    "vllm_model_dir",
+    "vllm_server",
+    "vllm_server_factory",
+    "vllm_training_server",
+]
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,7 @@ __all__ = [
     "vllm_model_dir",
     "vllm_server",
     "vllm_server_factory",
+    "vllm_training_server",
 ]
 
 REQUIRE_VLLM_SERVER_ENV = "AGILE_LLMENVS_REQUIRE_VLLM_SERVER"
@@ -91,6 +92,23 @@ def vllm_server(vllm_model_dir: Path) -> Iterator[VLLMServerProcess]:
     yield server
     server.stop()
     _SHARED.pop(vllm_model_dir, None)
+
+
+@pytest.fixture(scope="session")
+def vllm_training_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Path, VLLMServerProcess]]:
+    """A server on a tiny model of its own (hidden size 128) for the tests whose GRPO runs
+    sync their policy into it, for the whole session: every such run syncs its starting
+    weights first (version 0), so a run never sees what the run before it left there. No
+    other test reads it. Yields the model's folder and the server."""
+    require_vllm_python()
+    from agile_llmenvs.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("vllm-training") / "m", hidden_size=128)
+    server = start_vllm_server(model_dir)
+    yield model_dir, server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

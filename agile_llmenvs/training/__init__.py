@@ -1,8 +1,9 @@
 """Training loops over the package's envs: GRPO (rollout envs), SFT and DPO (dataset envs).
 
 Each loop takes a :class:`~agile_llmenvs.specs.RunManifest` (its ``training`` section,
-:class:`~agile_llmenvs.specs.TrainingSpec`, is the one config) and returns a
-:class:`TrainResult`; metrics, a plot and checkpoints go to ``training.output_dir``.
+:class:`~agile_llmenvs.specs.TrainingSpec`, is the one config, read once at the top of the run
+into :class:`~agile_llmenvs.training.run.RunSettings`) and returns a :class:`TrainResult`;
+metrics, a plot and checkpoints go to ``training.output_dir``.
 The names import torch on first use, not with the package (the command line imports
 ``agile_llmenvs.training.command`` for ``--help``).
 
@@ -18,8 +19,9 @@ The sub-packages, each with its face in its ``__init__``:
   sampler, in-process vLLM engines, ``vllm serve`` processes and their weight syncs.
 * :mod:`~agile_llmenvs.training.policy` -- the policy: loading, LoRA, FSDP2 sharding, the
   optimizer, one learning step, CPU threads.
-* :mod:`~agile_llmenvs.training.run` -- the run and its folder: checkpoints, metrics,
-  trackers, the rollout log, progress, signals, env failures, the result.
+* :mod:`~agile_llmenvs.training.run` -- the run and its folder: its settings, the record
+  every loop keeps (``RunBook``), checkpoints, metrics, trackers, the rollout log, progress,
+  signals, env failures, the result.
 
 Weights outside the trainer (checkpoint folders, sync folders, the vLLM worker side) are
 :mod:`agile_llmenvs.weights`.

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING
 from agile_llmenvs.errors import AgileLLMEnvsError
 
 if TYPE_CHECKING:  # the command line imports this module; torch only when it trains
-    from agile_llmenvs.specs import RunManifest
-    from agile_llmenvs.training.run import TrainResult
+    from agile_llmenvs.training.run import RunSettings, TrainResult
 
 __all__ = ["evaluate_hint", "register", "run_train_command", "summary_line"]
 
@@ -50,7 +49,7 @@ def run_train_command(args: argparse.Namespace) -> int:
     progress bars and logs below errors are off unless ``--debug``.
     """
     from agile_llmenvs.training import train_dpo, train_grpo, train_sft
-    from agile_llmenvs.training.run import quiet_libraries
+    from agile_llmenvs.training.run import RunSettings, quiet_libraries
     from agile_llmenvs.validation import problem_lines, validate_file
 
     started = time.monotonic()
@@ -65,18 +64,19 @@ def run_train_command(args: argparse.Namespace) -> int:
             return 2
         manifest = checked.manifest
         assert manifest is not None  # its fields validated
-        if manifest.training is None:
+        try:
+            settings = RunSettings.of(manifest)
+        except AgileLLMEnvsError:  # what it refuses: a manifest without a training section
             print(f"error {args.manifest}: no `training` section to run", file=sys.stderr)
             return 2
-        algorithm = manifest.training.algorithm
-        train = {"grpo": train_grpo, "sft": train_sft, "dpo": train_dpo}[algorithm]
+        train = {"grpo": train_grpo, "sft": train_sft, "dpo": train_dpo}[settings.algorithm]
         result = train(manifest, resume=args.resume, overwrite=args.overwrite)
-    evaluate = None if result.stopped_by is not None else evaluate_hint(result, manifest)
-    print(summary_line(result, manifest, args.manifest, time.monotonic() - started, evaluate))
+    evaluate = None if result.stopped_by is not None else evaluate_hint(result, settings)
+    print(summary_line(result, settings, args.manifest, time.monotonic() - started, evaluate))
     return 0
 
 
-def evaluate_hint(result: TrainResult, manifest: RunManifest) -> str:
+def evaluate_hint(result: TrainResult, settings: RunSettings) -> str:
     """Write the finished run's eval config, ``<output_dir>/eval.yaml`` (on the main process
     only; a resume that found the run complete touches nothing, and writes the file only when
     the run has none), and return the sentence that says how to run it, or why there is none."""
@@ -84,11 +84,11 @@ def evaluate_hint(result: TrainResult, manifest: RunManifest) -> str:
     from agile_llmenvs.training.eval_config import unevaluable_reason, write_eval_config
 
     path = Path(result.output_dir) / EVAL_CONFIG
-    reason = unevaluable_reason(manifest)
+    reason = unevaluable_reason(settings.env)
     written = result.already_complete and path.is_file()
     if reason is None and not written and os.environ.get("RANK", "0") == "0":
         try:
-            write_eval_config(manifest, result)
+            write_eval_config(settings, result)
         except (OSError, AgileLLMEnvsError) as exc:
             reason = f"writing {path} failed: {exc}"
     if reason is None:
@@ -102,7 +102,7 @@ def evaluate_hint(result: TrainResult, manifest: RunManifest) -> str:
 
 def summary_line(
     result: TrainResult,
-    manifest: RunManifest,
+    settings: RunSettings,
     manifest_path: Path,
     wall_s: float,
     evaluate: str | None = None,
@@ -112,9 +112,8 @@ def summary_line(
     next: ``evaluate`` (:func:`evaluate_hint`'s sentence), or, for a stopped run, resume it."""
     from agile_llmenvs.training.run import tail_mean
 
-    assert manifest.training is not None  # the command checked
-    max_steps = manifest.training.max_steps
-    key, label = _SUMMARY_METRIC[manifest.training.algorithm]
+    max_steps = settings.max_steps
+    key, label = _SUMMARY_METRIC[settings.algorithm]
     mean = None
     if result.metrics_path is not None:
         mean = tail_mean(result.metrics_path, key, last_step=result.steps)

@@ -25,17 +25,14 @@ import yaml
 
 from agile_llmenvs._run_files import EVAL_CONFIG, RUN_MANIFEST
 from agile_llmenvs.config import EvalConfig
-from agile_llmenvs.specs import LLMEnvSpec, RunManifest
-from agile_llmenvs.training.run import TrainResult, training_spec
+from agile_llmenvs.specs import LLMEnvSpec
+from agile_llmenvs.training.run import RunSettings, TrainResult
 
 __all__ = ["eval_config_for", "unevaluable_reason", "write_eval_config"]
 
 
-def unevaluable_reason(manifest: RunManifest) -> str | None:
-    """Why no eval config can play ``manifest``'s env (``None`` when one can)."""
-    spec = manifest.env
-    if not isinstance(spec, LLMEnvSpec):
-        return f"its env is a {spec.env_type} env, not an LLM env"
+def unevaluable_reason(spec: LLMEnvSpec) -> str | None:
+    """Why no eval config can play the env a run trained on (``None`` when one can)."""
     if spec.env_type != "rollout":
         return (
             f"its env is a dataset env (teacher-forced {spec.objective} rows, no episodes to play)"
@@ -45,18 +42,18 @@ def unevaluable_reason(manifest: RunManifest) -> str | None:
     return None
 
 
-def eval_config_for(manifest: RunManifest, result: TrainResult) -> EvalConfig:
+def eval_config_for(settings: RunSettings, result: TrainResult) -> EvalConfig:
     """The eval config of a finished run (what :func:`write_eval_config` writes).
 
     Raises:
         ValueError: :func:`unevaluable_reason` names a reason.
         DatasetError: The env's rows cannot be read (to count the held-out ones).
     """
-    data, _ = _eval_config_data(manifest, result)
+    data, _ = _eval_config_data(settings, result)
     return EvalConfig.model_validate(data)
 
 
-def write_eval_config(manifest: RunManifest, result: TrainResult) -> Path:
+def write_eval_config(settings: RunSettings, result: TrainResult) -> Path:
     """Write the eval config of a finished run as ``<output_dir>/eval.yaml``; returns its path.
 
     Run it with ``agile-llmenvs eval <output_dir>/eval.yaml``.
@@ -66,7 +63,7 @@ def write_eval_config(manifest: RunManifest, result: TrainResult) -> Path:
         DatasetError: The env's rows cannot be read.
         OSError: The file cannot be written.
     """
-    data, tasks = _eval_config_data(manifest, result)
+    data, tasks = _eval_config_data(settings, result)
     EvalConfig.model_validate(data)  # what is written loads
     run = Path(result.output_dir)
     path = run / EVAL_CONFIG
@@ -85,28 +82,26 @@ def write_eval_config(manifest: RunManifest, result: TrainResult) -> Path:
     return path
 
 
-def _eval_config_data(manifest: RunManifest, result: TrainResult) -> tuple[dict[str, Any], str]:
+def _eval_config_data(settings: RunSettings, result: TrainResult) -> tuple[dict[str, Any], str]:
     """The eval config as YAML-ready data, and which tasks it plays, in words."""
-    reason = unevaluable_reason(manifest)
+    spec = settings.env
+    reason = unevaluable_reason(spec)
     if reason is not None:
         raise ValueError(f"no eval config for this run: {reason}")
-    spec = manifest.env
-    assert isinstance(spec, LLMEnvSpec)  # unevaluable_reason checked
-    training = training_spec(manifest)
     run = Path(result.output_dir).resolve()
     environment: dict[str, Any] = {
-        "name": manifest.name or spec.label,
+        "name": settings.manifest.name or spec.label,
         "source": "manifest",
         "manifest": str(run / RUN_MANIFEST),
     }
     if spec.source == "dataset":
-        tasks, split, which = _dataset_tasks(spec, manifest.seed)
+        tasks, split, which = _dataset_tasks(spec, settings.seed)
         environment |= {"split": split, "size": tasks, "max_steps": 1}
     else:
-        tasks = training.eval_tasks
+        tasks = settings.held_out.tasks
         environment |= {
             "size": tasks,
-            "seed": _held_out_seed(manifest.seed),
+            "seed": _held_out_seed(settings.seed),
             "max_steps": _turn_budget(spec),
         }
         which = (
@@ -122,7 +117,7 @@ def _eval_config_data(manifest: RunManifest, result: TrainResult) -> tuple[dict[
     data = {
         "environments": [environment],
         "model": model,
-        "inference": {"temperature": 0.0, "max_tokens": training.max_new_tokens},
+        "inference": {"temperature": 0.0, "max_tokens": settings.sampling.max_tokens},
     }
     return data, f"{tasks} {which}"
 

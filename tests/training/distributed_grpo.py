@@ -16,6 +16,7 @@ from agile_llmenvs.llm_envs.collector import RolloutCollector
 from agile_llmenvs.specs import load_manifest
 from agile_llmenvs.training import train_grpo
 from agile_llmenvs.training.grpo import loop as grpo_loop
+from agile_llmenvs.training.run import book
 
 rows: list[int | None] = []
 collect = RolloutCollector.collect
@@ -43,12 +44,12 @@ def _recording_step(*args: Any, **kwargs: Any) -> dict[str, float]:
     return row
 
 
-def _recording_save(output_dir: Path, step: int, run: Any) -> Path:
-    policy = run.accelerator.unwrap_model(run.model)
+def _recording_save(output_dir: Path, learner: Any, *, step: int, **_: Any) -> Path:
+    policy = learner.accelerator.unwrap_model(learner.model)
     params = [_whole(p).flatten()[:8].tolist() for p in policy.parameters()]
-    rank = run.accelerator.process_index
+    rank = learner.accelerator.process_index
     record = {
-        "world_size": run.accelerator.num_processes,
+        "world_size": learner.accelerator.num_processes,
         "rows": rows,
         "params": params,
         "grad_steps": step,
@@ -60,7 +61,7 @@ def _recording_save(output_dir: Path, step: int, run: Any) -> Path:
 
 if __name__ == "__main__":
     RolloutCollector.collect = _recording_collect  # type: ignore[method-assign]
-    grpo_loop._save = _recording_save  # type: ignore[assignment]
+    book.save_checkpoint = _recording_save  # type: ignore[assignment]
     grpo_loop._step = _recording_step  # type: ignore[assignment]
     manifest = load_manifest(sys.argv[1])
     assert manifest.training is not None

@@ -48,19 +48,11 @@ if __name__ == "__main__":
     first = _sharded_learner(model_dir, accelerator)
     grpo_update(first, batch, settings)
     save_checkpoint(
-        out,
-        step=1,
-        accelerator=accelerator,
-        model=first.model,
-        optimizer=first.optimizer,
-        tokenizer=AutoTokenizer.from_pretrained(model_dir),
-        rank_state={},
+        out, first, step=1, tokenizer=AutoTokenizer.from_pretrained(model_dir), rank_state={}
     )
     saved = _full(first.model)
     resumed = _sharded_learner(model_dir, accelerator)
-    step, _ = load_checkpoint(
-        out, accelerator=accelerator, model=resumed.model, optimizer=resumed.optimizer
-    )
+    step, _ = load_checkpoint(out, resumed)
     assert step == 1
     loaded = _full(resumed.model)
     grpo_update(first, batch, settings)

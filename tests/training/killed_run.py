@@ -28,10 +28,8 @@ from agile_llmenvs.llm_envs.collector import RolloutCollector
 from agile_llmenvs.llm_envs.dataset_env import DatasetEnv
 from agile_llmenvs.specs import RunManifest
 from agile_llmenvs.training import train_grpo, train_sft
-from agile_llmenvs.training.grpo import loop as grpo_loop
 from agile_llmenvs.training.policy import Learner
-from agile_llmenvs.training.run import checkpoint
-from agile_llmenvs.training.supervised import loop as supervised_loop
+from agile_llmenvs.training.run import book, checkpoint
 
 counts: dict[str, int] = {}
 rows: list[Any] = []
@@ -60,8 +58,7 @@ def _wrap(owner: Any, name: str, where: str, kill_at: str, *, after: bool = Fals
 def _install(kill_at: str, log: Path) -> None:
     _wrap(HFBackend, "generate", "generate", kill_at)
     _wrap(Learner, "step", "learn", kill_at)
-    for module in (grpo_loop, supervised_loop):  # where the loops call it from
-        _wrap(module, "save_checkpoint", "save", kill_at)
+    _wrap(book, "save_checkpoint", "save", kill_at)  # where every loop's saves call it from
     _wrap(checkpoint, "publish_checkpoint", "publish", kill_at)
     _wrap(checkpoint, "prune_checkpoints", "prune", kill_at)
     real_save = checkpoint._save_synced

@@ -19,6 +19,7 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agile_llmenvs.errors import CheckpointError
+from agile_llmenvs.training.policy import Learner
 from agile_llmenvs.training.run import MetricsWriter, load_checkpoint, save_checkpoint
 from agile_llmenvs.weights import find_checkpoint
 
@@ -27,25 +28,27 @@ class Payload:
     """Anything but plain data: unpickling it would run code of the sender's choosing."""
 
 
+def _learner(model: Any) -> Learner:
+    """``model`` with AdamW on one CPU process, no schedule."""
+    optimizer = torch.optim.AdamW(model.parameters())
+    return Learner(Accelerator(cpu=True), model, optimizer, scheduler=None, max_grad_norm=1.0)
+
+
 def _save(model_dir: Path, out: Path, step: int = 1, **kwargs: Any) -> Path:
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     for name, value in kwargs.items():
         setattr(model, name, value)
-    optimizer = torch.optim.AdamW(model.parameters())
     return save_checkpoint(
         out,
+        _learner(model),
         step=step,
-        accelerator=Accelerator(cpu=True),
-        model=model,
-        optimizer=optimizer,
         tokenizer=AutoTokenizer.from_pretrained(model_dir),
         rank_state={"position": 3},
     )
 
 
 def _load(model: Any, out: Path) -> tuple[int, dict[str, Any]]:
-    optimizer = torch.optim.AdamW(model.parameters())
-    return load_checkpoint(out, accelerator=Accelerator(cpu=True), model=model, optimizer=optimizer)
+    return load_checkpoint(out, _learner(model))
 
 
 def _refresh_manifest(directory: Path) -> None:

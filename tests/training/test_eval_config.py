@@ -13,9 +13,9 @@ import yaml
 
 from agile_llmenvs.cli import main
 from agile_llmenvs.config import EvalConfig
-from agile_llmenvs.specs import load_manifest
+from agile_llmenvs.specs import LLMEnvSpec, load_manifest
 from agile_llmenvs.training.eval_config import eval_config_for, unevaluable_reason
-from agile_llmenvs.training.run import TrainResult
+from agile_llmenvs.training.run import RunSettings, TrainResult
 
 ROOT = Path(__file__).resolve().parents[2]
 OWN_ENV = ROOT / "examples" / "own_env"
@@ -87,11 +87,11 @@ def test_train_ends_with_the_eval_command_of_its_own_config_and_it_runs(
 def test_a_dataset_env_is_evaluated_on_its_held_out_rows(tmp_path: Path) -> None:
     quickstart = load_manifest(ROOT / "manifests" / "quickstart.yaml")
     result = TrainResult(tmp_path / "run", 3, checkpoint_dir=tmp_path / "run" / "checkpoint-3")
-    [trained_rows] = eval_config_for(quickstart, result).environments
+    [trained_rows] = eval_config_for(RunSettings.of(quickstart), result).environments
     assert (trained_rows.split, trained_rows.size, trained_rows.max_steps) == ("train", 10, 1)
 
     env = quickstart.env.model_copy(update={"train_test_split": 0.2})
-    config = eval_config_for(quickstart.model_copy(update={"env": env}), result)
+    config = eval_config_for(RunSettings.of(quickstart.model_copy(update={"env": env})), result)
     [held_out] = config.environments
     assert (held_out.source, held_out.manifest) == ("manifest", str(tmp_path / "run/manifest.yaml"))
     assert (held_out.split, held_out.size) == ("test", 2)
@@ -101,11 +101,13 @@ def test_a_dataset_env_is_evaluated_on_its_held_out_rows(tmp_path: Path) -> None
 
 
 def test_envs_an_eval_config_cannot_play_are_named() -> None:
-    sft = load_manifest(ROOT / "manifests" / "sft_digits.yaml")
+    sft = load_manifest(ROOT / "manifests" / "sft_digits.yaml").env
+    served = load_manifest(ROOT / "manifests" / "rollout_remote.yaml").env
+    assert isinstance(sft, LLMEnvSpec)
+    assert isinstance(served, LLMEnvSpec)
     assert unevaluable_reason(sft) == (
         "its env is a dataset env (teacher-forced sft rows, no episodes to play)"
     )
-    served = load_manifest(ROOT / "manifests" / "rollout_remote.yaml")
     assert unevaluable_reason(served) == (
         "its env is served (env_url), and an eval config names no served env"
     )

@@ -21,7 +21,7 @@ from agile_llmenvs.cli import main
 from agile_llmenvs.errors import CheckpointError
 from agile_llmenvs.specs import ModelSpec, RunManifest, TrainingSpec, dump_manifest, load_manifest
 from agile_llmenvs.training import train_dpo, train_sft
-from agile_llmenvs.training.run import RunFolderLock, manifest_differences, output_dir_of, plan_run
+from agile_llmenvs.training.run import RunFolderLock, RunSettings, manifest_differences, plan_run
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
@@ -222,7 +222,7 @@ def test_a_resume_may_change_what_resumable_changes_lists_and_nothing_else(
     faster = _manifest(tiny_model_dir, "sft_digits.yaml", learning_rate=1e-3)
     assert manifest_differences(ran, faster) == [("training.learning_rate", 3e-4, 1e-3)]
     with pytest.raises(CheckpointError) as raised:
-        plan_run(faster, resume=True, overwrite=False)
+        plan_run(RunSettings.of(faster), resume=True, overwrite=False)
     assert str(raised.value) == (
         "cannot resume runs/digits-sft: the run there has training.learning_rate 0.0003, this "
         "manifest 0.001. Resume it with the manifest it ran, runs/digits-sft/manifest.yaml, "
@@ -303,13 +303,14 @@ def test_every_path_is_relative_to_the_manifest_folder_and_the_default_to_the_cw
     given = load_manifest("conf/set.yaml")
     assert given.env.dataset_path == str(Path("conf/data/rows.jsonl"))  # type: ignore[union-attr]
     assert given.model.path == str(Path("conf/model"))
-    assert output_dir_of(given) == Path("conf/out")
+    assert RunSettings.of(given).output_dir == Path("conf/out")
     unset = load_manifest("conf/unset.yaml")
-    assert output_dir_of(unset) == Path("runs/my-run")  # runs/<name> where train runs
-    assert output_dir_of(unset.model_copy(update={"name": None})) == Path("runs/sft")
+    assert RunSettings.of(unset).output_dir == Path("runs/my-run")  # runs/<name> where train runs
+    assert RunSettings.of(unset.model_copy(update={"name": None})).output_dir == Path("runs/sft")
     # the README's quick start, from the repository root
     monkeypatch.chdir(ROOT)
-    assert output_dir_of(load_manifest("manifests/quickstart.yaml")) == Path("runs/quickstart")
+    quickstart = load_manifest("manifests/quickstart.yaml")
+    assert RunSettings.of(quickstart).output_dir == Path("runs/quickstart")
 
 
 def test_train_outside_a_terminal_writes_lines_and_ends_with_the_summary(

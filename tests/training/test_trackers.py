@@ -262,16 +262,16 @@ def test_a_fresh_start_does_not_continue_stored_runs(
     monkeypatch.setattr(trackers, "_run_id", lambda name, tracker: tracker.given or f"new-{name}")
     (tmp_path / TRACKER_IDS).write_text('{"wandb": "old-w", "mlflow": "old-m"}', "utf-8")
     config = TrainingSpec.model_validate({"algorithm": "grpo", "report_to": ["wandb", "mlflow"]})
-    open_trackers(config, tmp_path)
+    open_trackers(config.report_to, tmp_path)
     assert started == [("wandb", None), ("mlflow", None)]
     assert json.loads((tmp_path / TRACKER_IDS).read_text("utf-8")) == {
         "mlflow": "new-mlflow",
         "wandb": "new-wandb",
     }
-    open_trackers(config, tmp_path, resume=True)
+    open_trackers(config.report_to, tmp_path, resume=True)
     assert started[2:] == [("wandb", "new-wandb"), ("mlflow", "new-mlflow")]
     # a fresh start (or an overwrite) without trackers: the ids go too
-    assert open_trackers(TrainingSpec.model_validate({"algorithm": "grpo"}), tmp_path) is None
+    assert open_trackers([], tmp_path) is None
     assert not (tmp_path / TRACKER_IDS).exists()
 
 
@@ -312,7 +312,7 @@ def test_a_tracker_without_its_package_is_refused_with_the_install(
     ]
     assert manifest.training is not None
     with pytest.raises(OptionalDependencyError) as raised:
-        open_trackers(manifest.training, tmp_path)
+        open_trackers(manifest.training.report_to, tmp_path)
     assert str(raised.value) == (
         "The package 'wandb' is needed for training.report_to: wandb but is not installed; "
         'run: pip install "agile-llmenvs[trackers]"'

@@ -51,7 +51,8 @@ Generate = Callable[[list[Any]], Sequence[Any]]
 
 @dataclass(frozen=True)
 class CreditSettings:
-    """``turn_mc``'s settings, resolved from the manifest's ``training`` section.
+    """``turn_mc``'s settings, the manifest's ``credit_*`` fields (a run's part of
+    :class:`~agile_llmenvs.training.run.RunSettings`).
 
     Attributes:
         rollouts: Continuations per branched state (``credit_rollouts``).
@@ -64,16 +65,6 @@ class CreditSettings:
     turns: str = "all"
     max_tokens: int | None = None
     branching: str = "auto"
-
-    @classmethod
-    def from_spec(cls, config: Any) -> CreditSettings:
-        """The settings of a :class:`~agile_llmenvs.specs.TrainingSpec`."""
-        return cls(
-            config.credit_rollouts,
-            config.credit_turns,
-            config.credit_max_tokens,
-            config.credit_branching,
-        )
 
     @property
     def limit(self) -> int | None:

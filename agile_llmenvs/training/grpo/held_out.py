@@ -18,9 +18,10 @@ import torch
 from agile_llmenvs.backends.hf import HFBackend
 from agile_llmenvs.backends.types import SamplingParams
 from agile_llmenvs.llm_envs.collector import RolloutCollector
-from agile_llmenvs.specs import LLMEnvSpec, RunManifest
 from agile_llmenvs.training.generation import Sampler
+from agile_llmenvs.training.grpo.envs import RolloutEnvs
 from agile_llmenvs.training.policy import GenerationSync, is_sharded
+from agile_llmenvs.training.run import HeldOutSettings
 
 __all__ = ["EVAL_METRICS", "EVAL_SEED_OFFSET", "HeldOutEval"]
 
@@ -51,45 +52,25 @@ class HeldOutEval:
 
     @classmethod
     def build(
-        cls,
-        manifest: RunManifest,
-        tokenizer: Any,
-        max_model_len: int,
-        accelerator: Any,
-        processor: Any = None,
+        cls, settings: HeldOutSettings, envs: RolloutEnvs, accelerator: Any
     ) -> HeldOutEval | None:
-        """The run's evaluation, or ``None`` when ``training.eval_every`` is 0
-        (``processor``: a vision-language policy's, shown the env's images)."""
-        from agile_llmenvs.envs import make_rollout_env_factory
-
-        config = manifest.training
-        assert config is not None
-        if not config.eval_every:
+        """The run's evaluation, or ``None`` when ``settings.every`` is 0 (``envs``: the run's,
+        whose held-out split the eval envs play)."""
+        if not settings.every:
             return None
-        spec = manifest.env
-        assert isinstance(spec, LLMEnvSpec)
-        factory, _ = make_rollout_env_factory(
-            spec,
-            tokenizer,
-            max_model_len=max_model_len,
-            max_output_tokens=config.max_new_tokens,
-            seed=manifest.seed,
-            split="test" if spec.source == "dataset" else "train",
-            vision_processor=processor,
-        )
+        factory, _ = envs.factory(envs.held_out_split)
         world = accelerator.num_processes
-        tasks = -(-config.eval_tasks // world) * world  # a multiple of the processes
+        tasks = -(-settings.tasks // world) * world  # a multiple of the processes
         collector = RolloutCollector(
             factory,
             tasks,
             1,
-            base_seed=manifest.seed + EVAL_SEED_OFFSET,
+            base_seed=envs.seed + EVAL_SEED_OFFSET,
             rank=accelerator.process_index,
             world_size=world,
         )
-        params = SamplingParams(max_tokens=config.max_new_tokens, temperature=0.0)
         state = collector.state_dict()
-        return cls(collector, state, params, config.eval_every, config.eval_success_reward)
+        return cls(collector, state, settings.params, settings.every, settings.success_reward)
 
     def due(self, step: int) -> bool:
         """Whether step ``step`` (1-based, done) is followed by an evaluation."""

@@ -19,16 +19,15 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 import torch
 
-from agile_llmenvs._run_files import METRICS_FILE, METRICS_PLOT, ROLLOUTS_FILE
+from agile_llmenvs._run_files import ROLLOUTS_FILE
 from agile_llmenvs.core import RolloutBatch, Trajectory
-from agile_llmenvs.specs import RunManifest, TrainingSpec
+from agile_llmenvs.specs import RunManifest
 from agile_llmenvs.training.credit import (
-    CreditSettings,
     StateValues,
     TurnAdvantages,
     batch_turn_advantages,
@@ -42,19 +41,12 @@ from agile_llmenvs.training.grpo.update import grpo_update
 from agile_llmenvs.training.objective import group_advantages, group_rewards, reward_scale
 from agile_llmenvs.training.run import (
     EnvFailures,
-    MetricsWriter,
-    Progress,
     RolloutLog,
+    RunBook,
     RunPlan,
-    StopRequest,
+    RunSettings,
     TrainResult,
-    open_trackers,
-    plan_run,
-    plot_metrics,
-    save_checkpoint,
-    start_run,
-    tensorboard_setting,
-    training_spec,
+    in_run_folder,
 )
 
 __all__ = ["GRPO_METRICS", "train_grpo"]
@@ -119,96 +111,62 @@ def train_grpo(
         OptionalDependencyError: ``training.lora`` without ``peft``, or
             ``generation_backend: vllm`` without ``vllm``.
     """
-    plan = plan_run(manifest, resume=resume, overwrite=overwrite)
-    try:
-        return _run(manifest, plan, resume)
-    except BaseException:
-        plan.abandon()  # a run that never finished a step leaves the folder as it was
-        raise
-    finally:
-        plan.release()
-
-
-def _run(manifest: RunManifest, plan: RunPlan, resume: bool) -> TrainResult:
-    """:func:`train_grpo` in the folder ``plan`` holds."""
-    config = training_spec(manifest)
-    if plan.complete:
-        return plan.complete_result()
-    output_dir = plan.output_dir
-    run = setup_run(manifest, config, output_dir, resume)
-    try:
-        start_run(plan, manifest, run.accelerator)
-        with StopRequest() as stop:
-            history = _train(run, config, manifest.seed, output_dir, resume, stop)
-        steps = run.start_step + len(history)
-        checkpoint_dir = _save(output_dir, steps, run)
-    finally:
-        run.close()
-    if run.accelerator.is_main_process:
-        panels = ("reward_mean", "loss") + (("eval_reward_mean",) if config.eval_every else ())
-        plot_metrics(output_dir / METRICS_FILE, output_dir / METRICS_PLOT, panels)
-    stopped_by = stop.signal_name if steps < config.max_steps else None
-    return TrainResult(
-        output_dir, steps, history, output_dir / METRICS_FILE, checkpoint_dir, stopped_by
+    settings = RunSettings.of(manifest)
+    return in_run_folder(
+        settings, resume=resume, overwrite=overwrite, train=partial(_run, settings)
     )
 
 
-def _train(
-    run: GRPORun,
-    config: TrainingSpec,
-    seed: int,
-    output_dir: Path,
-    resume: bool,
-    stop: StopRequest,
-) -> list[dict[str, float]]:
-    """Run the steps left, writing each one's metrics and the periodic checkpoints; a
-    SIGINT / SIGTERM ends the loop after the step it arrives in (``seed``: the manifest's)."""
-    main = run.accelerator.is_main_process
-    writer = rollouts = None
-    if main:
-        writer = MetricsWriter(
-            output_dir / METRICS_FILE,
-            GRPO_METRICS,
-            resume_step=run.start_step if resume else None,
-            tensorboard=tensorboard_setting(config),
-            trackers=open_trackers(config, output_dir, resume=resume),
-        )
-        rollouts = RolloutLog(
-            output_dir / ROLLOUTS_FILE,
-            run.tokenizer,
-            every=config.log_rollouts_every,
-            count=config.log_rollouts_count,
-            resume_step=run.start_step if resume else None,
-        )
-    history: list[dict[str, float]] = []
-    progress = Progress("grpo", start=run.start_step, total=config.max_steps, enabled=main)
-    failures = EnvFailures(config.max_failed_fraction, config.max_failed_steps, report=main)
-    episodes = config.batch_size * config.group_size
+def _run(settings: RunSettings, plan: RunPlan) -> TrainResult:
+    """:func:`train_grpo` in the folder ``plan`` holds."""
+    run = setup_run(settings, resume=plan.resume_from is not None)
     try:
-        for step in range(run.start_step, config.max_steps):
-            step_rng = step_seed(seed, step, run.accelerator.process_index)
-            row = _step(run, config, step + 1, step_rng, rollouts, failures)
-            row.update(_evaluate(run, step + 1))
-            history.append(row)
-            if writer is not None:
-                writer.write(row)
-            if (step + 1) % config.log_every == 0:
-                shown = {"reward": row["reward_mean"], "loss": row["loss"]}
-                if failures.seen:  # once the env has failed, the share of each step
-                    shown["failed"] = row["failed_episodes"] / episodes
-                progress.show(**shown)
-            progress.advance()
-            failures.check(step + 1, int(row["failed_episodes"]), episodes)
-            if stop.requested(run.accelerator):
-                break
-            last = step + 1 == config.max_steps  # the final save follows
-            if config.save_every and (step + 1) % config.save_every == 0 and not last:
-                _save(output_dir, step + 1, run)
+        book = RunBook.start(
+            settings,
+            plan,
+            run.learner,
+            run.processor or run.tokenizer,
+            run.rank_state,
+            metric_keys=GRPO_METRICS,
+            start_step=run.start_step,
+        )
+        with book:
+            _train(run, settings, book)
+        checkpoint_dir = book.save()
     finally:
-        progress.close()
-        if writer is not None:
-            writer.close()
-    return history
+        run.close()
+    panels = ("reward_mean", "loss") + (("eval_reward_mean",) if settings.held_out.every else ())
+    return book.result(checkpoint_dir, panels)
+
+
+def _train(run: GRPORun, settings: RunSettings, book: RunBook) -> None:
+    """Run the steps left, each one's row kept by ``book``, which saves the periodic
+    checkpoints; a SIGINT / SIGTERM ends the loop after the step it arrives in."""
+    main = run.accelerator.is_main_process
+    rollouts = None
+    if main:
+        rollouts = RolloutLog(
+            settings.output_dir / ROLLOUTS_FILE,
+            run.tokenizer,
+            every=settings.logging.rollouts_every,
+            count=settings.logging.rollouts_count,
+            resume_step=book.resume_step,
+        )
+    limits = settings.failures
+    failures = EnvFailures(limits.max_fraction, limits.max_steps, report=main)
+    episodes = settings.batch_size * settings.group_size
+    for step in book.steps():
+        step_rng = step_seed(settings.seed, step, run.accelerator.process_index)
+        row = _step(run, settings, step + 1, step_rng, rollouts, failures)
+        row.update(_evaluate(run, step + 1))
+        shown = {"reward": row["reward_mean"], "loss": row["loss"]}
+        if failures.seen:  # once the env has failed, the share of each step
+            shown["failed"] = row["failed_episodes"] / episodes
+        book.record(row, shown)
+        failures.check(step + 1, int(row["failed_episodes"]), episodes)
+        if book.stop_requested():
+            break
+        book.save_if_due()
 
 
 def _evaluate(run: GRPORun, step: int) -> dict[str, float]:
@@ -221,7 +179,7 @@ def _evaluate(run: GRPORun, step: int) -> dict[str, float]:
 
 def _step(
     run: GRPORun,
-    config: TrainingSpec,
+    settings: RunSettings,
     step: int,
     seed: int,
     rollouts: RolloutLog | None = None,
@@ -237,7 +195,7 @@ def _step(
     were played ahead; ``gen_time_s`` is then the time this step waited for them.
     """
     step_start = time.perf_counter()
-    rollout, rewards_GN, gen_time, values = _collect(run, config, seed, step - 1)
+    rollout, rewards_GN, gen_time, values = _collect(run, settings, seed, step - 1)
     finished_GN = torch.tensor([not t.failed for t in rollout.trajectories])
     finished_GN = finished_GN.view_as(rewards_GN)
     fresh_GN = torch.ones_like(finished_GN)
@@ -245,7 +203,7 @@ def _step(
         stale_G = torch.tensor(run.server.stale_groups(rollout, step - 1))
         fresh_GN &= ~stale_G[:, None]
     advantages_GN, kept_GN, turns = _advantages(
-        run, config, rollout, rewards_GN, finished_GN & fresh_GN, values
+        run, settings, rollout, rewards_GN, finished_GN & fresh_GN, values
     )
     pad_id = run.tokenizer.pad_token_id or 0
     advantages_B = advantages_GN.flatten().float()  # centred in float64, trained in float32
@@ -258,7 +216,7 @@ def _step(
     )
     learning_rate = run.learner.scheduler.get_last_lr()[0]
     learn_start = time.perf_counter()
-    losses = grpo_update(run.learner, batch.to(run.accelerator.device), run.settings, run.reference)
+    losses = grpo_update(run.learner, batch.to(run.accelerator.device), run.update, run.reference)
     learn_time = time.perf_counter() - learn_start
     sync_start = time.perf_counter()
     if run.engine is not None:
@@ -301,7 +259,7 @@ def _step(
 
 def _advantages(
     run: GRPORun,
-    config: TrainingSpec,
+    settings: RunSettings,
     rollout: RolloutBatch,
     rewards_GN: torch.Tensor,
     trained_GN: torch.Tensor,
@@ -312,20 +270,20 @@ def _advantages(
     over_processes = _sum_over_processes(run.accelerator)
     advantages_GN, kept_GN = group_advantages(
         rewards_GN,
-        scale=config.scale_rewards,
+        scale=settings.scale_rewards,
         finished_GN=trained_GN,
         sum_over_processes=over_processes,
     )
-    if config.credit == "episode":
+    if settings.credit == "episode":
         return advantages_GN, kept_GN, None
     scale_G1 = reward_scale(
         rewards_GN,
-        scale=config.scale_rewards,
+        scale=settings.scale_rewards,
         finished_GN=trained_GN,
         sum_over_processes=over_processes,
     )
     turns = batch_turn_advantages(
-        config.credit,
+        settings.credit,
         rollout.trajectories,
         rewards_GN,
         advantages_GN,
@@ -383,7 +341,7 @@ def _policy_lag(rollout: RolloutBatch, kept_GN: torch.Tensor, version: int) -> f
 
 
 def _collect(
-    run: GRPORun, config: TrainingSpec, seed: int, step_index: int
+    run: GRPORun, settings: RunSettings, seed: int, step_index: int
 ) -> tuple[RolloutBatch, torch.Tensor, float, StateValues | None]:
     """The batch of step ``step_index`` (0-based): played now with the current policy, or
     (servers) the round played ahead for it. Returns it, its rewards ``[G, N]``, the
@@ -392,22 +350,23 @@ def _collect(
     taken while it played)."""
     if run.server is not None:
         played, waited = run.server.next_round(step_index)
-        rewards_GN = group_rewards([t.reward for t in played.batch.trajectories], config.group_size)
+        rewards_GN = group_rewards(
+            [t.reward for t in played.batch.trajectories], settings.group_size
+        )
         return played.batch, rewards_GN, waited, None
     run.sampler.params = dataclasses.replace(run.sampler.params, seed=seed)
     run.sampler.seconds, run.sampler.calls = 0.0, 0
     run.accelerator.unwrap_model(run.model).eval()
     checkpoints = None
-    if config.credit == "turn_mc":
+    if settings.turn_mc is not None:
         if run.checkpoints is None:  # one for the run: ProcessFork's zygote is started once
-            settings = CreditSettings.from_spec(config)
-            run.checkpoints = collector_checkpoints(run.collector, settings)
+            run.checkpoints = collector_checkpoints(run.collector, settings.turn_mc)
         checkpoints = run.checkpoints
     values = None
     with torch.no_grad():
         try:
             rollout = run.collector.collect(
-                run.sampler, dynamic_sampling=config.dynamic_sampling, observe=checkpoints
+                run.sampler, dynamic_sampling=settings.dynamic_sampling, observe=checkpoints
             )
             gen_time = run.sampler.seconds
             if checkpoints is not None:
@@ -419,7 +378,7 @@ def _collect(
         run.sampler.drain()
     if run.engine is not None:  # learning has the device (sleep_between_steps)
         run.engine.sleep()
-    rewards_GN = group_rewards([t.reward for t in rollout.trajectories], config.group_size)
+    rewards_GN = group_rewards([t.reward for t in rollout.trajectories], settings.group_size)
     return rollout, rewards_GN, gen_time, values
 
 
@@ -440,23 +399,6 @@ def _warn_refused(values: StateValues, shown: set[str]) -> None:
 def _sampled_tokens(trajectory: Trajectory) -> int:
     """Tokens the policy sampled in ``trajectory``'s episode."""
     return sum(sum(sample.action_mask) for sample in trajectory.episode.samples)
-
-
-def _save(output_dir: Path, step: int, run: GRPORun) -> Path:
-    collector_state = (
-        run.server.resume_state(step) if run.server is not None else run.collector.state_dict()
-    )
-    return save_checkpoint(
-        output_dir,
-        step=step,
-        accelerator=run.accelerator,
-        model=run.model,
-        optimizer=run.learner.optimizer,
-        tokenizer=run.processor or run.tokenizer,
-        rank_state={"collector": collector_state},
-        scheduler=run.learner.scheduler,
-        keep=run.keep_checkpoints,
-    )
 
 
 def _sum_over_processes(accelerator: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:

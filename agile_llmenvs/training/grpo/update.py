@@ -20,11 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from agile_llmenvs.backends.types import TokenDistribution
 from agile_llmenvs.core.images import image_model_inputs
 from agile_llmenvs.training.grpo.policy_batch import PolicyBatch
 from agile_llmenvs.training.objective import (
-    LossType,
     PolicyTokenLoss,
     ScoredLogps,
     TokenCounts,
@@ -41,8 +39,9 @@ from agile_llmenvs.training.policy import (
     micro_batch_slices,
     reduce_sum,
 )
+from agile_llmenvs.training.run import UpdateSettings
 
-__all__ = ["GRPO_UPDATE_METRICS", "UpdateSettings", "grpo_update"]
+__all__ = ["GRPO_UPDATE_METRICS", "grpo_update"]
 
 #: The metrics :func:`grpo_update` returns.
 GRPO_UPDATE_METRICS = (
@@ -54,34 +53,6 @@ GRPO_UPDATE_METRICS = (
     "entropy",
     "grad_norm",
 )
-
-
-@dataclass(frozen=True)
-class UpdateSettings:
-    """What shapes a GRPO update (the manifest's ``training`` fields of the same names).
-
-    Attributes:
-        loss_type: How per-token losses are averaged.
-        clip_eps: The ratio is clipped to ``1 +- clip_eps``.
-        beta: The k3 KL coefficient (0: no reference).
-        distribution: The sampler's distribution (temperature, repetition penalty,
-            truncation), the one every sampled token is scored under.
-        max_completion_tokens: ``dr_grpo``'s constant.
-        micro_batch_size: Rows per forward/backward (``None``: a mini-batch at once).
-        num_iterations: Passes over the batch.
-        mini_batches: Optimizer steps per pass.
-        chunk_tokens: Scored positions whose logits are held at once.
-    """
-
-    loss_type: LossType = "dapo"
-    clip_eps: float = 0.2
-    beta: float = 0.0
-    distribution: TokenDistribution = field(default_factory=TokenDistribution)
-    max_completion_tokens: int = 1
-    micro_batch_size: int | None = None
-    num_iterations: int = 1
-    mini_batches: int = 1
-    chunk_tokens: int = 256
 
 
 @dataclass
@@ -284,6 +255,7 @@ def _token_counts(
     global_rows, global_tokens = reduce_sum(accelerator, [rows.stop - rows.start, local_tokens])
     if accelerator.num_processes > 1:
         micro_batches = max_over_processes(micro_batches, accelerator.device)
+    assert settings.max_completion_tokens is not None  # a run's setup gives the env's budget
     return TokenCounts(
         rows=int(global_rows),
         tokens=int(global_tokens),

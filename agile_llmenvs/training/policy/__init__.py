@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from agile_llmenvs.training.policy.learner import Learner, micro_batch_slices, reduce_sum
 from agile_llmenvs.training.policy.loading import (
+    PolicySettings,
     autocast_forward,
     ddp_settings,
     load_policy,
@@ -17,6 +18,7 @@ from agile_llmenvs.training.policy.loading import (
 )
 from agile_llmenvs.training.policy.lora import AdaptersOffReference, apply_lora
 from agile_llmenvs.training.policy.optim import (
+    OptimizerSettings,
     Schedule,
     check_master_weights,
     lr_factor,
@@ -44,6 +46,8 @@ __all__ = [
     "AdaptersOffReference",
     "GenerationSync",
     "Learner",
+    "OptimizerSettings",
+    "PolicySettings",
     "Schedule",
     "ThreadChoice",
     "any_process",

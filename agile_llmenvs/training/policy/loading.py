@@ -7,24 +7,28 @@ from __future__ import annotations
 import copy
 import functools
 import random
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
 from agile_llmenvs._quiet import quiet_transformers
 from agile_llmenvs.errors import AgileLLMEnvsError
-from agile_llmenvs.specs import ModelSpec, RunManifest, TrainingSpec
+from agile_llmenvs.specs import LoRASpec, ModelSpec
 from agile_llmenvs.training.policy.learner import Learner
 from agile_llmenvs.training.policy.lora import AdaptersOffReference, apply_lora
 from agile_llmenvs.training.policy.optim import (
+    OptimizerSettings,
     check_master_weights,
     make_optimizer,
     make_scheduler,
 )
 from agile_llmenvs.training.policy.sharding import frozen_sharded_copy, is_sharded, shard_policy
+from agile_llmenvs.training.policy.threads import set_cpu_threads
 from agile_llmenvs.weights import is_lora
 
 __all__ = [
+    "PolicySettings",
     "autocast_forward",
     "ddp_settings",
     "load_policy",
@@ -82,66 +86,85 @@ def ddp_settings() -> Any:
     return DistributedDataParallelKwargs(broadcast_buffers=False)
 
 
-def prepare_policy(
-    manifest: RunManifest, config: TrainingSpec, *, total_steps: int
-) -> tuple[Learner, Any]:
-    """Seed, load the policy (with LoRA adapters when ``config.lora``) and its tokenizer, and
-    prepare it on ``accelerate`` with AdamW over its trainable parameters and the schedule.
+@dataclass(frozen=True)
+class PolicySettings:
+    """What loads the policy and how it learns: the manifest's ``model`` and ``seed``, and the
+    ``training`` fields of the same names.
 
-    With ``config.fsdp`` the policy (a LoRA one included) is sharded by
+    Attributes:
+        model: The model (and tokenizer) to load.
+        seed: Seeds Python's and torch's generators before the model loads.
+        lora: Train these adapters instead of every weight (``None``: every weight).
+        fsdp: Shard the policy over the processes with FSDP2.
+        mixed_precision: accelerate's compute precision (the weights stay fp32).
+        gradient_checkpointing: Recompute the decoder's activations in the backward pass.
+        cpu_threads: torch's intra-op threads on CPU (``None``: chosen by the model's size).
+        optimizer: AdamW, its schedule and the gradient clip.
+    """
+
+    model: ModelSpec
+    seed: int
+    lora: LoRASpec | None
+    fsdp: bool
+    mixed_precision: Literal["no", "bf16", "fp16"]
+    gradient_checkpointing: bool
+    cpu_threads: int | None
+    optimizer: OptimizerSettings
+
+
+def prepare_policy(settings: PolicySettings) -> tuple[Learner, Any]:
+    """Seed, load the policy (with LoRA adapters when ``settings.lora``) and its tokenizer,
+    prepare it on ``accelerate`` with AdamW over its trainable parameters and the schedule, and
+    set torch's CPU threads for it (:func:`~agile_llmenvs.training.policy.threads.set_cpu_threads`).
+
+    With ``settings.fsdp`` the policy (a LoRA one included) is sharded by
     :func:`~agile_llmenvs.training.policy.sharding.shard_policy` rather than wrapped by
     ``accelerate``; the optimizer holds the shards of its trainable parameters only.
-
-    Args:
-        manifest: The run.
-        config: Its training section.
-        total_steps: Optimizer steps of the whole run (the schedule decays over them).
 
     Returns:
         ``(learner, tokenizer)``; ``learner.accelerator.unwrap_model(learner.model)`` is the
         plain model (for generation, or :func:`reference_model`).
 
     Raises:
-        OptionalDependencyError: ``config.lora`` without ``peft`` installed.
+        OptionalDependencyError: ``settings.lora`` without ``peft`` installed.
         AgileLLMEnvsError: a trainable parameter is not fp32, or ``fp16`` without a GPU.
     """
     from accelerate import Accelerator
 
-    if config.mixed_precision == "fp16" and not torch.cuda.is_available():
+    if settings.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise AgileLLMEnvsError(
             "training.mixed_precision: fp16 needs a GPU; use bf16 (or no) on CPU"
         )
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),
-        mixed_precision=config.mixed_precision,
+        mixed_precision=settings.mixed_precision,
         kwargs_handlers=[ddp_settings()],
     )
-    seed_everything(manifest.seed)
-    model, tokenizer = load_policy(manifest.model)
-    if config.lora is not None:
-        model = apply_lora(model, config.lora)
+    seed_everything(settings.seed)
+    model, tokenizer = load_policy(settings.model)
+    if settings.lora is not None:
+        model = apply_lora(model, settings.lora)
     check_master_weights(model)
-    if config.gradient_checkpointing:
+    if settings.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if config.fsdp:  # sharded by us, so not wrapped (in DDP) by accelerate
+    optim = settings.optimizer
+    if settings.fsdp:  # sharded by us, so not wrapped (in DDP) by accelerate
         model = shard_policy(model, accelerator.device)
         autocast_forward(model, accelerator)
         optimizer = make_optimizer(
-            model, learning_rate=config.learning_rate, weight_decay=config.weight_decay
+            model, learning_rate=optim.learning_rate, weight_decay=optim.weight_decay
         )
         optimizer = accelerator.prepare(optimizer)
     else:
         optimizer = make_optimizer(
-            model, learning_rate=config.learning_rate, weight_decay=config.weight_decay
+            model, learning_rate=optim.learning_rate, weight_decay=optim.weight_decay
         )
         model, optimizer = accelerator.prepare(model, optimizer)
     scheduler = make_scheduler(
-        optimizer,
-        config.lr_scheduler,
-        warmup_steps=config.warmup_steps,
-        total_steps=total_steps,
+        optimizer, optim.schedule, warmup_steps=optim.warmup_steps, total_steps=optim.total_steps
     )
-    return Learner(accelerator, model, optimizer, scheduler, config.max_grad_norm), tokenizer
+    set_cpu_threads(accelerator.unwrap_model(model), settings.cpu_threads, accelerator.device)
+    return Learner(accelerator, model, optimizer, scheduler, optim.max_grad_norm), tokenizer
 
 
 def autocast_forward(model: Any, accelerator: Any) -> None:

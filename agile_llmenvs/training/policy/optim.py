@@ -4,15 +4,44 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from agile_llmenvs.errors import AgileLLMEnvsError
 
-__all__ = ["Schedule", "check_master_weights", "lr_factor", "make_optimizer", "make_scheduler"]
+__all__ = [
+    "OptimizerSettings",
+    "Schedule",
+    "check_master_weights",
+    "lr_factor",
+    "make_optimizer",
+    "make_scheduler",
+]
 
 Schedule = Literal["constant", "linear", "cosine"]
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW, its schedule and the gradient clip (the manifest's ``training`` fields).
+
+    Attributes:
+        learning_rate: AdamW's base learning rate.
+        weight_decay: AdamW's decoupled weight decay (not on biases and norms).
+        schedule: The decay after the warmup (``lr_scheduler``).
+        warmup_steps: Optimizer steps of linear warmup.
+        total_steps: Optimizer steps of the whole run: the schedule decays over them.
+        max_grad_norm: The gradient norm clip.
+    """
+
+    learning_rate: float
+    weight_decay: float
+    schedule: Schedule
+    warmup_steps: int
+    total_steps: int
+    max_grad_norm: float
 
 
 def lr_factor(schedule: Schedule, step: int, *, warmup_steps: int, total_steps: int) -> float:

@@ -1,12 +1,14 @@
-"""The run and its folder: where a run writes and whether it may, its checkpoints, metrics,
-experiment trackers, logged rollouts, progress line, stop signals and env failures, and the
-:class:`TrainResult` it returns.
+"""The run and its folder: its settings (:class:`RunSettings`, read once from the manifest),
+where it writes and whether it may, the record every loop keeps (:class:`RunBook`), its
+checkpoints, metrics, experiment trackers, logged rollouts, progress line, stop signals and
+env failures, and the :class:`TrainResult` it returns.
 
 The names of the files a run writes are :mod:`agile_llmenvs._run_files`.
 """
 
 from __future__ import annotations
 
+from agile_llmenvs.training.run.book import RankState, RunBook, in_run_folder
 from agile_llmenvs.training.run.checkpoint import (
     disk_full_error,
     load_checkpoint,
@@ -18,7 +20,6 @@ from agile_llmenvs.training.run.folder import (
     RunFolderLock,
     RunPlan,
     manifest_differences,
-    output_dir_of,
     plan_run,
     start_run,
 )
@@ -40,7 +41,14 @@ from agile_llmenvs.training.run.rollout_log import (
     episode_record,
     provenance,
 )
-from agile_llmenvs.training.run.settings import training_spec
+from agile_llmenvs.training.run.settings import (
+    FailureLimits,
+    GenerationSettings,
+    HeldOutSettings,
+    LoggingSettings,
+    RunSettings,
+    UpdateSettings,
+)
 from agile_llmenvs.training.run.trackers import (
     PROJECT,
     TRACKERS,
@@ -60,22 +68,30 @@ __all__ = [
     "TRACKERS",
     "TRL_NAMES",
     "EnvFailures",
+    "FailureLimits",
+    "GenerationSettings",
+    "HeldOutSettings",
+    "LoggingSettings",
     "MetricsWriter",
     "Progress",
+    "RankState",
     "RolloutLog",
+    "RunBook",
     "RunFolderLock",
     "RunPlan",
+    "RunSettings",
     "StopRequest",
     "TailMean",
     "Trackers",
     "TrainResult",
+    "UpdateSettings",
     "disk_full_error",
     "episode_record",
     "failure_kind",
+    "in_run_folder",
     "load_checkpoint",
     "manifest_differences",
     "open_trackers",
-    "output_dir_of",
     "plan_run",
     "plot_metrics",
     "provenance",
@@ -85,5 +101,4 @@ __all__ = [
     "start_run",
     "tail_mean",
     "tensorboard_setting",
-    "training_spec",
 ]

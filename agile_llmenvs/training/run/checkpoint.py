@@ -34,7 +34,7 @@ from agile_llmenvs._run_files import (
     checkpoint_name,
 )
 from agile_llmenvs.errors import CheckpointError
-from agile_llmenvs.training.policy import is_sharded
+from agile_llmenvs.training.policy import Learner, is_sharded
 from agile_llmenvs.weights import (
     ADAPTER_WEIGHTS_FILE,
     find_checkpoint,
@@ -50,18 +50,15 @@ _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 def save_checkpoint(
     output_dir: Path,
+    learner: Learner,
     *,
     step: int,
-    accelerator: Any,
-    model: Any,
-    optimizer: torch.optim.Optimizer,
     tokenizer: Any,  # or a vision-language model's processor, which saves its tokenizer too
     rank_state: Mapping[str, Any],
-    scheduler: Any = None,
     keep: int | None = None,
 ) -> Path:
-    """Save the model (Hugging Face layout; a LoRA policy's adapters only, peft's layout),
-    optimizer, schedule, step and every rank's RNG and data state, atomically.
+    """Save the learner's model (Hugging Face layout; a LoRA policy's adapters only, peft's
+    layout), optimizer and schedule, the step and every rank's RNG and data state, atomically.
 
     ``rank_state`` is this rank's own (its collector or dataset position); each rank writes
     its file, the main process the shared ones and the manifest.
@@ -79,16 +76,16 @@ def save_checkpoint(
     final = output_dir / checkpoint_name(step)
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
     try:
-        _save(partial, final, step, accelerator, model, optimizer, tokenizer, rank_state, scheduler)
+        _save(partial, final, step, learner, tokenizer, rank_state)
     except OSError as exc:
         error = disk_full_error(exc, output_dir, f"saving {final.name}")
         if error is None:
             raise
         shutil.rmtree(partial, ignore_errors=True)
         raise error from exc
-    if accelerator.is_main_process and keep is not None:
+    if learner.accelerator.is_main_process and keep is not None:
         prune_checkpoints(output_dir, keep)
-    accelerator.wait_for_everyone()
+    learner.accelerator.wait_for_everyone()
     return final
 
 
@@ -112,14 +109,12 @@ def _save(
     partial: Path,
     final: Path,
     step: int,
-    accelerator: Any,
-    model: Any,
-    optimizer: torch.optim.Optimizer,
+    learner: Learner,
     tokenizer: Any,
     rank_state: Mapping[str, Any],
-    scheduler: Any,
 ) -> None:
     """Write ``partial`` on every rank, then publish it as ``final``."""
+    accelerator, model = learner.accelerator, learner.model
     main = accelerator.is_main_process
     accelerator.wait_for_everyone()
     if main:
@@ -128,7 +123,7 @@ def _save(
     accelerator.wait_for_everyone()
     state = {"rng": _rng_state(), **rank_state}
     _save_synced(state, partial / CHECKPOINT_RANK_FILE.format(rank=accelerator.process_index))
-    weights, optimizer_state = _full_state(model, optimizer)
+    weights, optimizer_state = _full_state(model, learner.optimizer)
     if main:
         with quiet_transformers():  # no "Writing model shards" bar
             accelerator.unwrap_model(model).save_pretrained(
@@ -136,29 +131,24 @@ def _save(
             )
         tokenizer.save_pretrained(partial / CHECKPOINT_MODEL_DIR)
         trainer: dict[str, Any] = {"step": step, "optimizer": optimizer_state}
-        if scheduler is not None:
-            trainer["scheduler"] = scheduler.state_dict()
+        if learner.scheduler is not None:
+            trainer["scheduler"] = learner.scheduler.state_dict()
         _save_synced(trainer, partial / CHECKPOINT_TRAINER_FILE)
     accelerator.wait_for_everyone()
     if main:
         publish_checkpoint(partial, final, step=step, world_size=accelerator.num_processes)
 
 
-def load_checkpoint(
-    output_dir: Path,
-    *,
-    accelerator: Any,
-    model: Any,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any = None,
-) -> tuple[int, dict[str, Any]]:
-    """Restore the newest complete checkpoint; returns its step and this rank's state.
+def load_checkpoint(output_dir: Path, learner: Learner) -> tuple[int, dict[str, Any]]:
+    """Restore the newest complete checkpoint into ``learner`` (its model, optimizer and
+    schedule); returns its step and this rank's state.
 
     Raises:
         CheckpointError: there is no complete checkpoint, it was saved by another number of
             processes, it holds full weights for a LoRA run (or adapters for a full one), or
             its weights do not match the model's (missing or unexpected keys).
     """
+    accelerator = learner.accelerator
     checkpoint = find_checkpoint(output_dir)
     if checkpoint is None:
         raise CheckpointError(
@@ -169,6 +159,7 @@ def load_checkpoint(
             f"{checkpoint.directory} was saved by {checkpoint.world_size} process(es), this run "
             f"has {accelerator.num_processes}: resume with the same number of processes"
         )
+    model, optimizer, scheduler = learner.model, learner.optimizer, learner.scheduler
     directory = checkpoint.directory
     _load_weights(directory / CHECKPOINT_MODEL_DIR, accelerator.unwrap_model(model))
     trainer = _load_plain(directory / CHECKPOINT_TRAINER_FILE)

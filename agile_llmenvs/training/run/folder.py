@@ -44,7 +44,7 @@ from agile_llmenvs.specs import RunManifest, load_manifest
 from agile_llmenvs.specs.manifest import absolute_paths
 from agile_llmenvs.training.run.checkpoint import disk_full_error
 from agile_llmenvs.training.run.result import TrainResult
-from agile_llmenvs.training.run.settings import training_spec
+from agile_llmenvs.training.run.settings import RunSettings
 from agile_llmenvs.weights import Checkpoint, find_checkpoint
 
 __all__ = [
@@ -52,7 +52,6 @@ __all__ = [
     "RunFolderLock",
     "RunPlan",
     "manifest_differences",
-    "output_dir_of",
     "plan_run",
     "start_run",
 ]
@@ -85,7 +84,6 @@ RESUMABLE_CHANGES = (
 _CHECKPOINT_ENTRY = re.compile(
     rf"^{CHECKPOINT_PREFIX}\d+({re.escape(PARTIAL_SUFFIX)}|{re.escape(STALE_SUFFIX)})?$"
 )
-_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 class RunFolderLock:
@@ -192,17 +190,7 @@ class RunPlan:
         )
 
 
-def output_dir_of(manifest: RunManifest) -> Path:
-    """The run's folder: ``training.output_dir``, else ``runs/<name>`` (``runs/<algorithm>``
-    without a name) in the working directory."""
-    config = training_spec(manifest)
-    if config.output_dir is not None:
-        return Path(config.output_dir)
-    name = _UNSAFE_NAME.sub("-", manifest.name or "").strip(".-")
-    return Path("runs") / (name or config.algorithm)
-
-
-def plan_run(manifest: RunManifest, *, resume: bool, overwrite: bool) -> RunPlan:
+def plan_run(settings: RunSettings, *, resume: bool, overwrite: bool) -> RunPlan:
     """Decide how the run starts, reading the folder only, but for its lock: the main
     process (rank 0) takes the folder's :class:`RunFolderLock` first and holds it in the
     plan; call :meth:`RunPlan.release` when the run ends.
@@ -215,14 +203,14 @@ def plan_run(manifest: RunManifest, *, resume: bool, overwrite: bool) -> RunPlan
     """
     if resume and overwrite:
         raise ValueError("resume and overwrite exclude each other: continue a run, or replace it")
-    output_dir = output_dir_of(manifest)
+    output_dir = settings.output_dir
     # accelerate's launcher numbers its processes in RANK; only rank 0 writes the folder
     if os.environ.get("RANK", "0") != "0" or (resume and not output_dir.is_dir()):
-        return _plan(manifest, output_dir, resume=resume, overwrite=overwrite)
+        return _plan(settings, resume=resume, overwrite=overwrite)
     found = frozenset(e.name for e in output_dir.iterdir()) if output_dir.is_dir() else None
     lock = RunFolderLock.acquire(output_dir)
     try:
-        plan = _plan(manifest, output_dir, resume=resume, overwrite=overwrite)
+        plan = _plan(settings, resume=resume, overwrite=overwrite)
     except BaseException:
         lock.release()
         raise
@@ -234,7 +222,8 @@ def plan_run(manifest: RunManifest, *, resume: bool, overwrite: bool) -> RunPlan
     )
 
 
-def _plan(manifest: RunManifest, output_dir: Path, *, resume: bool, overwrite: bool) -> RunPlan:
+def _plan(settings: RunSettings, *, resume: bool, overwrite: bool) -> RunPlan:
+    output_dir = settings.output_dir
     if not resume:
         held = _run_marks(output_dir)
         if held and not overwrite:
@@ -251,14 +240,14 @@ def _plan(manifest: RunManifest, output_dir: Path, *, resume: bool, overwrite: b
             else "no run has started there; train without --resume to start one"
         )
         raise CheckpointError(f"no complete checkpoint to resume from in {output_dir}: {why}")
-    _check_resumable(manifest, output_dir)
-    complete = checkpoint.step >= training_spec(manifest).max_steps
+    _check_resumable(settings.manifest, output_dir)
+    complete = checkpoint.step >= settings.max_steps
     return RunPlan(output_dir, resume_from=checkpoint, complete=complete)
 
 
 def start_run(plan: RunPlan, manifest: RunManifest, accelerator: Any) -> None:
     """On the main process: remove the run an overwrite replaces, then store the manifest
-    this run runs; every process waits until that is done."""
+    this run runs (:attr:`RunSettings.manifest`); every process waits until that is done."""
     if accelerator.is_main_process:
         plan.output_dir.mkdir(parents=True, exist_ok=True)
         if plan.overwrite:
@@ -368,12 +357,10 @@ def _remove_run(output_dir: Path, keep: Collection[str] = ()) -> None:
 
 
 def _store_manifest(manifest: RunManifest, output_dir: Path) -> None:
-    """Write ``output_dir/manifest.yaml`` whole or not at all (a reader never sees half)."""
-    training = training_spec(manifest)
-    pinned = absolute_paths(manifest)
-    pinned = pinned.model_copy(
-        update={"training": training.model_copy(update={"output_dir": str(output_dir.resolve())})}
-    )
+    """Write ``output_dir/manifest.yaml`` whole or not at all (a reader never sees half):
+    ``manifest``'s env and model files made absolute, its training section as it is (its
+    ``output_dir`` the run's folder, :attr:`RunSettings.manifest`)."""
+    pinned = absolute_paths(manifest).model_copy(update={"training": manifest.training})
     data = pinned.model_dump(mode="json", exclude_unset=True)
     partial = output_dir / f".{RUN_MANIFEST}.partial"
     try:

@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,11 +95,15 @@ class Trackers:
 
 
 def open_trackers(
-    config: TrainingSpec, output_dir: Path, *, resume: bool = False
+    report_to: Sequence[str],
+    output_dir: Path,
+    *,
+    run_name: str | None = None,
+    resume: bool = False,
 ) -> Trackers | None:
-    """Start the trackers ``config.report_to`` names (but TensorBoard), named
-    ``config.run_name`` (default: the manifest's ``name``, else the folder's); ``None``
-    without any. Call on the main process only, before the metrics file is opened.
+    """Start the trackers ``report_to`` names (``training.report_to``; but TensorBoard), named
+    ``run_name`` (``training.run_name``; default: the manifest's ``name``, else the folder's);
+    ``None`` without any. Call on the main process only, before the metrics file is opened.
 
     W&B runs offline unless ``WANDB_MODE`` says otherwise or ``WANDB_API_KEY`` is set (no
     network call a run did not ask for; ``wandb sync output_dir/wandb/offline-run-*``
@@ -116,7 +120,7 @@ def open_trackers(
     resuming = resume
     if not resuming:  # ids an overwritten run left are not this run's
         (output_dir / TRACKER_IDS).unlink(missing_ok=True)
-    wanted = [name for name in config.report_to if name != "tensorboard"]
+    wanted = [name for name in report_to if name != "tensorboard"]
     if not wanted:
         return None
     for name in wanted:
@@ -125,7 +129,7 @@ def open_trackers(
             raise OptionalDependencyError(
                 module, extra=extra, feature=f"training.report_to: {name}"
             )
-    run_name = config.run_name or _manifest_name(output_dir) or output_dir.name
+    run_name = run_name or _manifest_name(output_dir) or output_dir.name
     run_ids = _stored_run_ids(output_dir) if resuming else {}
     started = []
     try:

@@ -11,7 +11,7 @@ import torch
 from agile_llmenvs.specs import RunManifest
 from agile_llmenvs.training.objective import dpo_loss
 from agile_llmenvs.training.policy import idle_forward, reference_model
-from agile_llmenvs.training.run import TrainResult, training_spec
+from agile_llmenvs.training.run import RunSettings, TrainResult
 from agile_llmenvs.training.supervised.loop import labelled_logps, train_on_dataset
 
 __all__ = ["DEFAULT_DPO_BETA", "DPO_METRICS", "DPOObjective", "train_dpo"]
@@ -38,19 +38,17 @@ def train_dpo(
         overwrite: Replace the run ``output_dir`` holds; without it (or ``resume``) a
             folder that holds a run is refused with a ``CheckpointError``.
     """
-    config = training_spec(manifest)
-    beta = DEFAULT_DPO_BETA if config.beta is None else config.beta
+    settings = RunSettings.of(manifest)
+    beta = DEFAULT_DPO_BETA if settings.beta is None else settings.beta
 
     def make_objective(model: Any, accelerator: Any) -> DPOObjective:
         reference = reference_model(model, accelerator.device)
-        return DPOObjective(reference, beta, config.logps_chunk_tokens)
+        return DPOObjective(reference, beta, settings.chunk_tokens)
 
     return train_on_dataset(
-        manifest,
-        config,
+        settings,
         resume=resume,
         overwrite=overwrite,
-        name="dpo",
         metric_keys=DPO_METRICS,
         make_objective=make_objective,
     )

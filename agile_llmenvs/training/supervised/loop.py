@@ -12,36 +12,26 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from agile_llmenvs._run_files import METRICS_FILE, METRICS_PLOT
 from agile_llmenvs.core.images import SampleImages, image_model_inputs
-from agile_llmenvs.specs import LLMEnvSpec, RunManifest, TrainingSpec
 from agile_llmenvs.training.objective import scored_token_logps
 from agile_llmenvs.training.policy import (
     Learner,
     micro_batch_slices,
     prepare_policy,
     reduce_sum,
-    set_cpu_threads,
     vision_processor,
 )
 from agile_llmenvs.training.run import (
-    MetricsWriter,
-    Progress,
+    RunBook,
     RunPlan,
-    StopRequest,
+    RunSettings,
     TrainResult,
+    in_run_folder,
     load_checkpoint,
-    open_trackers,
-    plan_run,
-    plot_metrics,
-    save_checkpoint,
-    start_run,
-    tensorboard_setting,
 )
 
 __all__ = [
@@ -118,23 +108,19 @@ def labelled_logps(
 
 
 def train_on_dataset(
-    manifest: RunManifest,
-    config: TrainingSpec,
+    settings: RunSettings,
     *,
     resume: bool,
-    name: str,
     metric_keys: tuple[str, ...],
     make_objective: Callable[[Any, Any], DatasetObjective],
     overwrite: bool = False,
 ) -> TrainResult:
-    """Run ``max_steps`` optimizer steps over the manifest's dataset env.
+    """Run ``max_steps`` optimizer steps over the run's dataset env.
 
     Args:
-        manifest: A manifest with ``env_type: dataset``.
-        config: Its training section.
+        settings: The run's (a manifest with ``env_type: dataset``).
         resume: Continue from the checkpoint in ``output_dir`` (a run already at
             ``max_steps`` is left as it is).
-        name: The progress bar's label.
         metric_keys: Columns of ``metrics.csv``: ``step``, ``loss``, ``grad_norm``,
             ``learning_rate``, ``step_time_s`` and whatever the objective reports.
         make_objective: Called with the loaded model and the accelerator.
@@ -143,91 +129,43 @@ def train_on_dataset(
     Raises:
         CheckpointError: see :func:`~agile_llmenvs.training.run.folder.plan_run`.
     """
-    plan = plan_run(manifest, resume=resume, overwrite=overwrite)
-    try:
-        return _train(manifest, config, plan, name, metric_keys, make_objective)
-    except BaseException:
-        plan.abandon()  # a run that never finished a step leaves the folder as it was
-        raise
-    finally:
-        plan.release()
+    train = partial(_train, settings, metric_keys, make_objective)
+    return in_run_folder(settings, resume=resume, overwrite=overwrite, train=train)
 
 
 def _train(
-    manifest: RunManifest,
-    config: TrainingSpec,
-    plan: RunPlan,
-    name: str,
+    settings: RunSettings,
     metric_keys: tuple[str, ...],
     make_objective: Callable[[Any, Any], DatasetObjective],
+    plan: RunPlan,
 ) -> TrainResult:
     """:func:`train_on_dataset` in the folder ``plan`` holds."""
-    if plan.complete:
-        return plan.complete_result()
-    resume = plan.resume_from is not None
-    output_dir = plan.output_dir
-    learner, tokenizer = prepare_policy(manifest, config, total_steps=config.max_steps)
+    learner, tokenizer = prepare_policy(settings.policy)
     accelerator = learner.accelerator
-    set_cpu_threads(learner.model, config.cpu_threads, accelerator.device)
-    start_run(plan, manifest, accelerator)
     objective = make_objective(accelerator.unwrap_model(learner.model), accelerator)
-    env = _dataset_env(manifest, config, tokenizer, accelerator)
-    start_step = _resume(output_dir, learner, env) if resume else 0
-    main = accelerator.is_main_process
-    writer = None
-    if main:
-        writer = MetricsWriter(
-            output_dir / METRICS_FILE,
-            metric_keys,
-            resume_step=start_step if resume else None,
-            tensorboard=tensorboard_setting(config),
-            trackers=open_trackers(config, output_dir, resume=resume),
-        )
-
-    history: list[dict[str, float]] = []
+    env = _dataset_env(settings, tokenizer, accelerator)
+    start_step = 0
+    if plan.resume_from is not None:
+        start_step, rank_state = load_checkpoint(settings.output_dir, learner)
+        env.load_state_dict(rank_state["env"])
+    book = RunBook.start(
+        settings,
+        plan,
+        learner,
+        tokenizer,
+        lambda step: {"env": env.state_dict()},
+        metric_keys=metric_keys,
+        start_step=start_step,
+    )
     learner.model.train()
-    progress = Progress(name, start=start_step, total=config.max_steps, enabled=main)
-    try:  # the metrics file and the trackers are closed however the loop ends
-        with StopRequest() as stop:
-            for step in range(start_step, config.max_steps):
-                row = _step(step, env, learner, objective, config, metric_keys)
-                history.append(row)
-                if writer is not None:
-                    writer.write(row)
-                if (step + 1) % config.log_every == 0:
-                    progress.show(loss=row["loss"])
-                progress.advance()
-                if stop.requested(accelerator):
-                    break
-                last = step + 1 == config.max_steps  # the final save follows
-                if config.save_every and (step + 1) % config.save_every == 0 and not last:
-                    _save(output_dir, step + 1, learner, tokenizer, env, config.keep_checkpoints)
-        progress.close()
-        done = start_step + len(history)
-        checkpoint_dir = _save(output_dir, done, learner, tokenizer, env, config.keep_checkpoints)
-    finally:
-        progress.close()
-        if writer is not None:
-            writer.close()
-    if main:
-        plot_metrics(output_dir / METRICS_FILE, output_dir / METRICS_PLOT, ("loss",))
-    stopped_by = stop.signal_name if done < config.max_steps else None
-    return TrainResult(
-        output_dir, done, history, output_dir / METRICS_FILE, checkpoint_dir, stopped_by
-    )
-
-
-def _resume(output_dir: Path, learner: Learner, env: Any) -> int:
-    """Load the newest complete checkpoint into the learner and the env; its step."""
-    start_step, rank_state = load_checkpoint(
-        output_dir,
-        accelerator=learner.accelerator,
-        model=learner.model,
-        optimizer=learner.optimizer,
-        scheduler=learner.scheduler,
-    )
-    env.load_state_dict(rank_state["env"])
-    return start_step
+    with book:
+        for step in book.steps():
+            row = _step(step, env, learner, objective, settings.micro_batch_size, metric_keys)
+            book.record(row, {"loss": row["loss"]})
+            if book.stop_requested():
+                break
+            book.save_if_due()
+    return book.result(book.save(), ("loss",))
 
 
 def _step(
@@ -235,13 +173,14 @@ def _step(
     env: Any,
     learner: Learner,
     objective: DatasetObjective,
-    config: Any,
+    micro_batch_size: int | None,
     metric_keys: tuple[str, ...],
 ) -> dict[str, float]:
-    """One optimizer step on the env's next batch: the metrics row, in ``metric_keys`` order."""
+    """Optimizer step ``step`` (0-based) on the env's next batch: the metrics row, in
+    ``metric_keys`` order."""
     step_start = time.perf_counter()
     learning_rate = learner.scheduler.get_last_lr()[0]
-    values = dataset_update(learner, env.next_batch(), objective, config.micro_batch_size)
+    values = dataset_update(learner, env.next_batch(), objective, micro_batch_size)
     values.update(
         step=float(step + 1),
         learning_rate=learning_rate,
@@ -284,36 +223,17 @@ def dataset_update(
     return {"loss": sums["loss"], "grad_norm": grad_norm, **objective.metrics(sums, total_units)}
 
 
-def _dataset_env(
-    manifest: RunManifest, config: TrainingSpec, tokenizer: Any, accelerator: Any
-) -> Any:
-    """This rank's share of the manifest's dataset env, batched for ``config``."""
+def _dataset_env(settings: RunSettings, tokenizer: Any, accelerator: Any) -> Any:
+    """This rank's share of the run's dataset env, in batches of ``batch_size`` rows."""
     from agile_llmenvs.envs import make_llm_env
 
-    assert isinstance(manifest.env, LLMEnvSpec)  # the manifest validator pairs sft/dpo with it
     return make_llm_env(
-        manifest.env,
+        settings.env,
         tokenizer,
-        data_batch_size_per_gpu=config.batch_size,
-        max_context_length=manifest.model.max_model_len,
-        vision_processor=vision_processor(manifest.model),
-        seed=manifest.seed,
+        data_batch_size_per_gpu=settings.batch_size,
+        max_context_length=settings.max_model_len,
+        vision_processor=vision_processor(settings.policy.model),
+        seed=settings.seed,
         rank=accelerator.process_index,
         world_size=accelerator.num_processes,
-    )
-
-
-def _save(
-    output_dir: Path, step: int, learner: Learner, tokenizer: Any, env: Any, keep: int | None
-) -> Path:
-    return save_checkpoint(
-        output_dir,
-        step=step,
-        accelerator=learner.accelerator,
-        model=learner.model,
-        optimizer=learner.optimizer,
-        tokenizer=tokenizer,
-        rank_state={"env": env.state_dict()},
-        scheduler=learner.scheduler,
-        keep=keep,
     )

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from agile_llmenvs.specs import RunManifest
-from agile_llmenvs.training.run import TrainResult, training_spec
+from agile_llmenvs.training.run import RunSettings, TrainResult
 from agile_llmenvs.training.supervised.loop import labelled_logps, train_on_dataset
 
 __all__ = ["SFT_METRICS", "SFTObjective", "train_sft"]
@@ -31,15 +31,13 @@ def train_sft(
         overwrite: Replace the run ``output_dir`` holds; without it (or ``resume``) a
             folder that holds a run is refused with a ``CheckpointError``.
     """
-    config = training_spec(manifest)
+    settings = RunSettings.of(manifest)
     return train_on_dataset(
-        manifest,
-        config,
+        settings,
         resume=resume,
         overwrite=overwrite,
-        name="sft",
         metric_keys=SFT_METRICS,
-        make_objective=lambda model, accelerator: SFTObjective(config.logps_chunk_tokens),
+        make_objective=lambda model, accelerator: SFTObjective(settings.chunk_tokens),
     )
 
 

@@ -11,7 +11,7 @@
 #
 # Each PIP_SPEC argument is one `pip install` line (its words split on spaces); a line starting
 # with `uninstall ` runs `pip uninstall -y` instead.
-set -euo pipefail
+set -euo pipefail -f  # -f: the pip lines hold brackets, not globs
 name=$1
 shift
 root=${AGILE_LLMENVS_CI_VENVS:-$HOME/.cache/agile-llmenvs-ci}

@@ -184,7 +184,7 @@ def _check_extras(args: list[str], where: str) -> None:
 
 
 def _check_test_paths(args: list[str], where: str) -> None:
-    takes_value = {"-m", "-k", "-p", "--timeout"}
+    takes_value = {"-m", "-k", "-p", "--timeout", "-n", "--dist", "--durations"}
     for previous, word in zip(["", *args], args, strict=False):
         if word.startswith("-") or previous in takes_value:
             continue

@@ -13,9 +13,10 @@ __all__ = ["BatchBuilder"]
 class BatchBuilder:
     """Assembles a :class:`RolloutBatch` from rounds of played groups (both collection paths).
 
-    With ``dynamic_sampling``, groups whose rewards are all equal are set aside and more
-    rounds are wanted, at most ``max_attempts``; the batch is then topped up with the
-    uninformative groups, so every rank returns ``groups`` groups.
+    With ``dynamic_sampling``, groups whose rewards are all equal (and that carry no
+    ``turn_signal``) are set aside and more rounds are wanted, at most ``max_attempts``; the
+    batch is then topped up with the uninformative groups, so every rank returns ``groups``
+    groups.
 
     Args:
         groups: Groups the batch holds.
@@ -23,6 +24,8 @@ class BatchBuilder:
         record: Accounts one played group with the task assigner; says if it is informative.
         dynamic_sampling: Refill the batch in place of uninformative groups.
         max_attempts: Most rounds with ``dynamic_sampling``.
+        turn_signal: Says whether a group whose rewards are all equal still trains (its turns
+            carry credit: ``credit: anchor``); None: none does.
     """
 
     def __init__(
@@ -33,8 +36,10 @@ class BatchBuilder:
         *,
         dynamic_sampling: bool,
         max_attempts: int,
+        turn_signal: Callable[[tuple[Trajectory, ...]], bool] | None = None,
     ) -> None:
         self.groups, self.group_size, self.record = groups, group_size, record
+        self.turn_signal = turn_signal
         self.dynamic_sampling = dynamic_sampling
         self.max_attempts = max_attempts if dynamic_sampling else 1
         self.attempts = 0
@@ -50,6 +55,8 @@ class BatchBuilder:
         self.attempts += 1
         for group in played:
             informative = self.record(group)
+            if not informative and self.dynamic_sampling and self.turn_signal is not None:
+                informative = self.turn_signal(group)
             (self.kept if informative or not self.dynamic_sampling else self.spare).append(group)
 
     def batch(self) -> RolloutBatch:

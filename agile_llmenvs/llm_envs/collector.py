@@ -28,13 +28,17 @@ from agile_llmenvs.transport.session_loop import SESSION_LOOP
 if TYPE_CHECKING:  # llm_envs does not import the backends layer
     from agile_llmenvs.backends.types import AsyncTokenBackend, SamplingParams
 
-__all__ = ["EpisodeHandle", "Generate", "Observer", "RolloutCollector"]
+__all__ = ["EpisodeHandle", "Generate", "Observer", "RolloutCollector", "TurnSignal"]
 
 Generate = Callable[[list[list[int]]], Sequence[Any]]
 """A policy: context ids of every live slot -> sampled ids (or ``(ids, logps)``) for each."""
 
 Observer = Callable[[dict[int, RolloutHarness]], None]
 """Sees the harness of every live slot, by slot, before each generation of a batch."""
+
+TurnSignal = Callable[[tuple[Trajectory, ...]], bool]
+"""Says whether a played group's turns carry credit, so that ``dynamic_sampling`` keeps it
+though its rewards are all equal (``credit: anchor``)."""
 
 
 @dataclass(frozen=True)
@@ -246,22 +250,26 @@ class RolloutCollector:
         dynamic_sampling: bool = False,
         max_attempts: int = 4,
         observe: Observer | None = None,
+        turn_signal: TurnSignal | None = None,
     ) -> RolloutBatch:
         """Play a whole batch with ``generate`` as the policy.
 
         With ``dynamic_sampling``, groups whose rewards are all equal are dropped and the
         batch is refilled from new tasks, for at most ``max_attempts`` rounds; the batch is
-        then topped up with uninformative groups so every rank returns the same count.
-        ``observe`` is called with the harness of every live slot (by slot) after the resets
-        and after each turn, before the next generation: the point to checkpoint their
-        episodes (``credit: turn_mc``).
+        then topped up with uninformative groups so every rank returns the same count. A
+        group for which ``turn_signal`` says True is kept whatever its rewards (its turns
+        carry credit). ``observe`` is called with the harness of every live slot (by slot)
+        after the resets and after each turn, before the next generation: the point to
+        checkpoint their episodes (``credit: turn_mc``).
         """
-        builder = self._batch_builder(dynamic_sampling, max_attempts)
+        builder = self._batch_builder(dynamic_sampling, max_attempts, turn_signal)
         while builder.wants_round():
             builder.add_round(self._play(generate, observe))
         return builder.batch()
 
-    def _batch_builder(self, dynamic_sampling: bool, max_attempts: int) -> BatchBuilder:
+    def _batch_builder(
+        self, dynamic_sampling: bool, max_attempts: int, turn_signal: TurnSignal | None
+    ) -> BatchBuilder:
         """Assembles one batch of this rank's groups from rounds (both paths use it)."""
         return BatchBuilder(
             self.groups,
@@ -269,6 +277,7 @@ class RolloutCollector:
             self._record,
             dynamic_sampling=dynamic_sampling,
             max_attempts=max_attempts,
+            turn_signal=turn_signal,
         )
 
     def _play(
@@ -309,12 +318,13 @@ class RolloutCollector:
         *,
         dynamic_sampling: bool = False,
         max_attempts: int = 4,
+        turn_signal: TurnSignal | None = None,
     ) -> RolloutBatch:
         """Play a whole batch as :meth:`collect` does (the same tasks in the same order,
-        contiguous groups, dynamic sampling, failures as values), with every episode asking
-        ``backend`` for its next turn as soon as its env replies, instead of every slot
-        waiting for the slowest at each turn. All groups of a round play at once, on the
-        session loop (this call blocks until the batch is done).
+        contiguous groups, dynamic sampling and ``turn_signal``, failures as values), with
+        every episode asking ``backend`` for its next turn as soon as its env replies, instead
+        of every slot waiting for the slowest at each turn. All groups of a round play at
+        once, on the session loop (this call blocks until the batch is done).
 
         Request ``r`` (the turn) of episode ``e`` (numbered across batches) is sampled with
         seed ``request_seed(params.seed, e, r)``; each trajectory records the backend's
@@ -322,7 +332,7 @@ class RolloutCollector:
         raises or outlives ``io_timeout_s``, and a request that raises
         :class:`~agile_llmenvs.errors.GenerationServerError`, fail only their episode.
         """
-        builder = self._batch_builder(dynamic_sampling, max_attempts)
+        builder = self._batch_builder(dynamic_sampling, max_attempts, turn_signal)
         return SESSION_LOOP.run(self._collect_continuous(builder, backend, params))
 
     async def _collect_continuous(

@@ -265,8 +265,23 @@ class TrainingSpec(BaseModel):
         description="GRPO: how a multi-turn episode's advantage is shared among its turns "
         "(docs/training.md#turn-level-credit): `episode`, every turn the episode's; `turn_mc`, "
         "each turn `r_t + V(s_t+1) - V(s_t)`, with V the mean return of `credit_rollouts` "
-        "continuations branched from the state; `anchor`, turns acting from the same "
-        "observation within a group compared with each other (GiGPO-style, no extra rollouts).",
+        "continuations branched from the state; `anchor`, GiGPO: turns acting from the same "
+        "observation within a group compared by their discounted returns to go (no extra "
+        "rollouts).",
+    )
+    credit_gamma: float = Field(
+        0.95,
+        ge=0.0,
+        le=1.0,
+        description="GRPO `anchor`: the discount of the returns to go an anchor group compares "
+        "(GiGPO's 0.95; 1: undiscounted, so two visits of one state before the same final "
+        "reward cannot be told apart).",
+    )
+    credit_omega: float = Field(
+        1.0,
+        ge=0.0,
+        description="GRPO `anchor`: the weight of the step term beside the episode's advantage "
+        "(GiGPO's omega, 1).",
     )
     credit_rollouts: int = Field(
         4, ge=1, description="GRPO `turn_mc`: continuations run from each branched state."
@@ -311,6 +326,9 @@ class TrainingSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check_credit(self) -> TrainingSpec:
+        for name in ("credit_gamma", "credit_omega"):
+            if self.credit != "anchor" and name in self.model_fields_set:
+                raise fail(name, f"is `anchor`'s, and credit is {self.credit!r}: drop {name}")
         if self.credit == "episode":
             return self
         if self.algorithm != "grpo":

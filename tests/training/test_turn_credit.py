@@ -35,6 +35,7 @@ from agile_llmenvs.core import RolloutBatch
 from agile_llmenvs.llm_envs import RolloutCollector, RolloutHarness
 from agile_llmenvs.training import train_grpo
 from agile_llmenvs.training.credit import (
+    AnchorSettings,
     BranchTextEnv,
     CreditSettings,
     StateValues,
@@ -109,7 +110,14 @@ def advantages(batch: RolloutBatch, values: StateValues, scale: str = "none") ->
     advantages_GN, kept_GN = group_advantages(rewards_GN, scale=scale)  # type: ignore[arg-type]
     scale_G1 = reward_scale(rewards_GN, scale=scale)  # type: ignore[arg-type]
     turns = batch_turn_advantages(
-        "turn_mc", batch.trajectories, rewards_GN, advantages_GN, kept_GN, scale_G1, values.values
+        "turn_mc",
+        batch.trajectories,
+        rewards_GN,
+        advantages_GN,
+        kept_GN,
+        scale_G1,
+        values.values,
+        normalise=scale != "none",
     )
     return turns, advantages_GN
 
@@ -212,7 +220,8 @@ def test_an_env_that_cannot_branch_keeps_its_episode_advantage_and_is_counted(
     assert sorted(refused) == [0, 1]
     assert all(reason in r for r in refused.values())
     turns, _ = advantages(batch, values)
-    assert turns.per_turn == [None, None]
+    # one segment each, GRPO's R - mean: 1.5 - 1.0 and 0.5 - 1.0 on every turn
+    assert turns.per_turn == [[0.5] * 3, [-0.5] * 3]
     assert turns.fallback_episodes == 2
 
 
@@ -221,11 +230,15 @@ def test_mc_advantages_with_no_values_are_grpos() -> None:
 
 
 def test_anchor_compares_turns_that_act_from_the_same_observation() -> None:
-    # returns to go: episode 0 (1, 1, 1), episode 1 (1, 1, 0); the first and last
-    # observations are shared, the middle ones are not (alone in their anchor group: 0)
+    # undiscounted returns to go: episode 0 (1, 1, 1), episode 1 (1, 1, 0); the first and
+    # last observations are shared, the middle ones are not (alone in their anchor group: 0);
+    # centred only (scale_rewards: none)
     groups = [[([0.0, 0.0, 1.0], [(1,), (2,), (3,)]), ([0.0, 1.0, 0.0], [(1,), (5,), (3,)])]]
-    got = anchor_turn_advantages(groups, [[0.0, 0.0]], [1.0])
+    got = anchor_turn_advantages(groups, [[0.0, 0.0]], AnchorSettings(gamma=1.0), normalise=False)
     assert got == [[[0.0, 0.0, 0.5], [0.0, 0.0, -0.5]]]
+    # discounted by 0.95: the first turns' returns to go are 0.9025 and 0.95 (mean 0.92625)
+    got = anchor_turn_advantages(groups, [[0.0, 0.0]], AnchorSettings(gamma=0.95), normalise=False)
+    assert got == [[[pytest.approx(-0.02375), 0.0, 0.5], [pytest.approx(0.02375), 0.0, -0.5]]]
 
 
 def test_anchor_keys_are_the_observation_ids_since_the_last_action(tokenizer: Any) -> None:
@@ -234,11 +247,15 @@ def test_anchor_keys_are_the_observation_ids_since_the_last_action(tokenizer: An
     advantages_GN, kept_GN = group_advantages(rewards_GN, scale="none")
     scale_G1 = reward_scale(rewards_GN, scale="none")
     turns = batch_turn_advantages(
-        "anchor", batch.trajectories, rewards_GN, advantages_GN, kept_GN, scale_G1
+        "anchor", batch.trajectories, rewards_GN, advantages_GN, kept_GN, scale_G1, normalise=False
     )
     # both episodes see the same prompt, "hall" and "door": each turn's anchor group is the
-    # pair; returns to go (1.5, 1.5, 1.0) and (0.5, 0.5, 0.0), episode advantages +-0.5
-    assert turns.per_turn == [[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]]
+    # pair. Rewards (0, 0.5, 1.0) and (0, 0.5, 0), returns to go discounted by 0.95:
+    # (0.95 x 1.45, 0.5 + 0.95, 1.0) and (0.95 x 0.5, 0.5, 0.0); each pair's mean is midway,
+    # so the steps are +-(0.95 x 0.95 / 2, 0.95 / 2, 0.5); episode advantages +-0.5
+    steps = [0.95 * 0.95 / 2, 0.95 / 2, 0.5]
+    assert turns.per_turn[0] == pytest.approx([0.5 + s for s in steps], abs=1e-12)
+    assert turns.per_turn[1] == pytest.approx([-0.5 - s for s in steps], abs=1e-12)
     keys = [[anchor_key(t.episode.samples, k) for k in range(3)] for t in batch.trajectories]
     assert keys[0] == keys[1]
     hall = tokenizer.encode("hall", add_special_tokens=False)
@@ -295,6 +312,9 @@ def test_grpo_trains_with_anchor_credit_at_no_extra_cost(
         ({"credit": "turn_mc", "dynamic_sampling": True}, "dynamic_sampling"),
         ({"credit": "turn_mc", "credit_turns": "some"}, "credit_turns"),
         ({"credit": "turn_mc", "credit_rollouts": 0}, "credit_rollouts"),
+        ({"credit": "turn_mc", "credit_gamma": 0.9}, "credit_gamma: is `anchor`'s"),
+        ({"credit_omega": 0.5}, "credit_omega: is `anchor`'s, and credit is 'episode'"),
+        ({"credit": "anchor", "credit_gamma": 1.5}, "credit_gamma"),
     ],
 )
 def test_credit_settings_that_cannot_work_are_refused_naming_the_field(

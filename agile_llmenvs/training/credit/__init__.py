@@ -4,12 +4,16 @@ turns, and the Monte-Carlo values of mid-episode states that ``turn_mc`` measure
 from __future__ import annotations
 
 from agile_llmenvs.training.credit.advantages import (
+    AnchorSettings,
     TurnAdvantages,
     anchor_key,
+    anchor_signal,
     anchor_turn_advantages,
     batch_turn_advantages,
+    mc_segments,
     mc_turn_advantages,
     returns_to_go,
+    turn_scale,
 )
 from agile_llmenvs.training.credit.turn_values import (
     BranchTextEnv,
@@ -21,16 +25,20 @@ from agile_llmenvs.training.credit.turn_values import (
 )
 
 __all__ = [
+    "AnchorSettings",
     "BranchTextEnv",
     "CreditSettings",
     "StateValues",
     "TurnAdvantages",
     "TurnCheckpoints",
     "anchor_key",
+    "anchor_signal",
     "anchor_turn_advantages",
     "batch_turn_advantages",
     "collector_checkpoints",
     "estimate_values",
+    "mc_segments",
     "mc_turn_advantages",
     "returns_to_go",
+    "turn_scale",
 ]

@@ -31,7 +31,7 @@ from typing import Any
 from agile_llmenvs.backends.types import SamplingParams
 from agile_llmenvs.core import RolloutBatch
 from agile_llmenvs.errors import AgileLLMEnvsError
-from agile_llmenvs.llm_envs.collector import RolloutCollector
+from agile_llmenvs.llm_envs.collector import RolloutCollector, TurnSignal
 from agile_llmenvs.specs.manifest import VLLMServerSpec
 
 __all__ = ["Round", "ServerRollouts", "server_backend"]
@@ -71,6 +71,7 @@ class ServerRollouts:
         max_steps: The run's last step; no round is played past it.
         dynamic_sampling: Refill groups whose rewards are all equal (see
             :meth:`RolloutCollector.collect`).
+        turn_signal: Keeps such a group when its turns carry credit (``credit: anchor``).
         push_weights: Loads ``(policy, version)`` into the servers; ``None``:
             ``backend.sync_weights`` (one training process). Several processes pass a
             :class:`~agile_llmenvs.training.generation.ServerWeightSync`, which every process
@@ -89,6 +90,7 @@ class ServerRollouts:
         start_step: int,
         max_steps: int,
         dynamic_sampling: bool = False,
+        turn_signal: TurnSignal | None = None,
         push_weights: Callable[[Any, int], object] | None = None,
     ) -> None:
         if max_staleness < sync_every - 1:
@@ -100,7 +102,7 @@ class ServerRollouts:
         self.round_seed = round_seed
         self.max_staleness, self.sync_every = max_staleness, sync_every
         self.start_step, self.max_steps = start_step, max_steps
-        self.dynamic_sampling = dynamic_sampling
+        self.dynamic_sampling, self.turn_signal = dynamic_sampling, turn_signal
         self._push_weights = push_weights or self._sync_backend
         self._rounds: queue.Queue[Round | _Failed] = queue.Queue()
         self._served = threading.Condition()  # notified at each sync and at close
@@ -194,7 +196,10 @@ class ServerRollouts:
             params = dataclasses.replace(self.params, seed=self.round_seed(step))
             try:
                 batch = self.collector.collect_continuous(
-                    self.backend, params, dynamic_sampling=self.dynamic_sampling
+                    self.backend,
+                    params,
+                    dynamic_sampling=self.dynamic_sampling,
+                    turn_signal=self.turn_signal,
                 )
             except BaseException as exc:  # the trainer raises it at its next round
                 self._rounds.put(_Failed(exc))

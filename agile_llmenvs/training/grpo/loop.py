@@ -28,6 +28,7 @@ from agile_llmenvs._run_files import ROLLOUTS_FILE
 from agile_llmenvs.core import RolloutBatch, Trajectory
 from agile_llmenvs.specs import RunManifest
 from agile_llmenvs.training.credit import (
+    AnchorSettings,
     StateValues,
     TurnAdvantages,
     batch_turn_advantages,
@@ -36,7 +37,7 @@ from agile_llmenvs.training.credit import (
 )
 from agile_llmenvs.training.grpo.held_out import EVAL_METRICS
 from agile_llmenvs.training.grpo.policy_batch import PolicyBatch, build_policy_batch
-from agile_llmenvs.training.grpo.setup import GRPORun, setup_run, step_seed
+from agile_llmenvs.training.grpo.setup import GRPORun, setup_run, step_seed, turn_signal
 from agile_llmenvs.training.grpo.update import grpo_update
 from agile_llmenvs.training.objective import group_advantages, group_rewards, reward_scale
 from agile_llmenvs.training.run import (
@@ -290,6 +291,10 @@ def _advantages(
         kept_GN,
         scale_G1,
         values.values if values is not None else None,
+        anchor=settings.anchor or AnchorSettings(),
+        normalise=settings.scale_rewards != "none",
+        batch_scale=settings.scale_rewards == "batch",
+        sum_over_processes=over_processes,
     )
     return advantages_GN, kept_GN, turns
 
@@ -366,7 +371,10 @@ def _collect(
     with torch.no_grad():
         try:
             rollout = run.collector.collect(
-                run.sampler, dynamic_sampling=settings.dynamic_sampling, observe=checkpoints
+                run.sampler,
+                dynamic_sampling=settings.dynamic_sampling,
+                observe=checkpoints,
+                turn_signal=turn_signal(settings),
             )
             gen_time = run.sampler.seconds
             if checkpoints is not None:

@@ -10,13 +10,14 @@ collector, and the checkpoint's state when resuming.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from agile_llmenvs._run_files import WEIGHTS_SYNC_DIR
 from agile_llmenvs.backends.hf import HFBackend
 from agile_llmenvs.errors import AgileLLMEnvsError
-from agile_llmenvs.llm_envs.collector import RolloutCollector
-from agile_llmenvs.training.credit import TurnCheckpoints
+from agile_llmenvs.llm_envs.collector import RolloutCollector, TurnSignal
+from agile_llmenvs.training.credit import TurnCheckpoints, anchor_signal
 from agile_llmenvs.training.generation import (
     PolicyVLLMEngine,
     Sampler,
@@ -36,7 +37,7 @@ from agile_llmenvs.training.policy import (
 )
 from agile_llmenvs.training.run import RunSettings, UpdateSettings, load_checkpoint
 
-__all__ = ["GRPORun", "setup_run", "step_seed"]
+__all__ = ["GRPORun", "setup_run", "step_seed", "turn_signal"]
 
 
 @dataclass
@@ -207,6 +208,7 @@ def _server_rollouts(
             start_step=start_step,
             max_steps=settings.max_steps,
             dynamic_sampling=settings.dynamic_sampling,
+            turn_signal=turn_signal(settings),
             push_weights=ServerWeightSync(backend, rank=rank, world_size=accelerator.num_processes),
         )
     except BaseException:
@@ -243,3 +245,12 @@ def _make_collector(
         collector.close()
         raise
     return collector, max_turns
+
+
+def turn_signal(settings: RunSettings) -> TurnSignal | None:
+    """What keeps a group of equal rewards under ``dynamic_sampling``: with ``credit:
+    anchor``, turns that share an observation and differ in their returns to go (the group
+    carries per-turn signal); None otherwise."""
+    if settings.anchor is None or not settings.dynamic_sampling:
+        return None
+    return partial(anchor_signal, gamma=settings.anchor.gamma)

@@ -19,7 +19,7 @@ from agile_llmenvs.backends.types import SamplingParams, TokenDistribution
 from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.specs import LLMEnvSpec, RunManifest, TrainingSpec
 from agile_llmenvs.specs.generation import VLLMGenerationSpec, VLLMServerSpec
-from agile_llmenvs.training.credit import CreditSettings
+from agile_llmenvs.training.credit import AnchorSettings, CreditSettings
 from agile_llmenvs.training.objective import LossType, ScaleRewards
 from agile_llmenvs.training.policy import OptimizerSettings, PolicySettings
 from agile_llmenvs.training.run.trackers import tensorboard_setting
@@ -174,6 +174,7 @@ class RunSettings:
         dynamic_sampling: GRPO: refill groups with equal rewards from new tasks.
         credit: GRPO: how an episode's advantage is shared among its turns.
         turn_mc: ``credit: turn_mc``'s settings (``None`` for the other modes).
+        anchor: ``credit: anchor``'s settings (``None`` for the other modes).
         generation: GRPO: what samples the rollouts.
         held_out: GRPO's held-out evaluation.
         failures: GRPO: when env failures stop the run.
@@ -201,6 +202,7 @@ class RunSettings:
     dynamic_sampling: bool
     credit: Literal["episode", "turn_mc", "anchor"]
     turn_mc: CreditSettings | None
+    anchor: AnchorSettings | None
     generation: GenerationSettings
     held_out: HeldOutSettings
     failures: FailureLimits
@@ -243,6 +245,11 @@ class RunSettings:
             dynamic_sampling=config.dynamic_sampling,
             credit=config.credit,
             turn_mc=_turn_mc(config),
+            anchor=(
+                AnchorSettings(config.credit_gamma, config.credit_omega)
+                if config.credit == "anchor"
+                else None
+            ),
             generation=GenerationSettings(
                 config.generation_backend,
                 config.vllm or VLLMGenerationSpec(),

@@ -73,7 +73,7 @@ def shape_(
         floor_N1 = probs_NV.amax(dim=-1, keepdim=True).mul_(distribution.min_p)
         shaped_NV.masked_fill_(probs_NV < floor_N1, -float("inf"))
         del probs_NV
-    _top_k_top_p_(shaped_NV, distribution.top_k, distribution.top_p)
+    _top_k_top_p_(shaped_NV, distribution.top_k, distribution.top_p, keep_N)
     if keep_N is not None:
         shaped_NV.scatter_(-1, keep_N[:, None], logits_NV.gather(-1, keep_N[:, None]))
     return logits_NV, shaped_NV
@@ -84,10 +84,19 @@ def shape_(
 TOP_P_CANDIDATES = 1024
 
 
-def _top_k_top_p_(logits_NV: torch.Tensor, top_k: int | None, top_p: float) -> None:
+def _top_k_top_p_(
+    logits_NV: torch.Tensor, top_k: int | None, top_p: float, keep_N: torch.Tensor | None = None
+) -> None:
     """vLLM's ``apply_top_k_top_p``, in place: ``-inf`` below the k-th largest logit (every
     token tied with it kept), then, over what is left, the least likely tokens whose
     cumulative probability stays within ``1 - top_p`` (the likeliest always kept).
+
+    The top-p cut is positional, as vLLM's: in ascending order, a block of tied logits that
+    the cut falls inside loses the tokens before the cut and keeps the rest. How many it keeps
+    depends on the values alone; which ones, on the order vLLM's sort leaves ties in, which
+    nothing fixes. Every kept token's log-prob depends only on how many: this keeps that many,
+    dropping the tied tokens of lowest id first but never ``keep_N`` (the token the trainer
+    scores, which the sampler kept).
 
     The top-p cut is found among candidates: the top-k survivors when there is a top-k, else
     the :data:`TOP_P_CANDIDATES` likeliest when they hold ``top_p`` of the mass (the tokens
@@ -121,4 +130,28 @@ def _top_k_top_p_(logits_NV: torch.Tensor, top_k: int | None, top_p: float) -> N
     dropped_NK[:, -1] = False  # at least the likeliest
     # the cut is monotone: the kept tokens are those from the first one not dropped on
     first_kept_N1 = (~dropped_NK).to(torch.uint8).argmax(dim=-1, keepdim=True)
-    logits_NV.masked_fill_(logits_NV < ascending_NK.gather(-1, first_kept_N1), -float("inf"))
+    cut_N1 = ascending_NK.gather(-1, first_kept_N1)
+    logits_NV.masked_fill_(logits_NV < cut_N1, -float("inf"))
+    _drop_tied_(logits_NV, ascending_NK, first_kept_N1, cut_N1, keep_N)
+
+
+def _drop_tied_(
+    logits_NV: torch.Tensor,
+    ascending_NK: torch.Tensor,
+    first_kept_N1: torch.Tensor,
+    cut_N1: torch.Tensor,
+    keep_N: torch.Tensor | None,
+) -> None:
+    """Keep only as many tokens tied with the cut value as vLLM's positional cut keeps (those
+    at or after it in ascending order), dropping the lowest ids first, never ``keep_N``."""
+    positions_NK = torch.arange(ascending_NK.shape[-1], device=ascending_NK.device)
+    tied_NK = ascending_NK == cut_N1
+    kept_N1 = (tied_NK & (positions_NK >= first_kept_N1)).sum(dim=-1, keepdim=True)
+    tied_NV = logits_NV == cut_N1  # with any tied tokens past the candidates
+    surplus_N1 = tied_NV.sum(dim=-1, keepdim=True) - kept_N1
+    if not bool((surplus_N1 > 0).any()):
+        return
+    if keep_N is not None:
+        tied_NV.scatter_(-1, keep_N[:, None], False)
+    rank_NV = tied_NV.cumsum(dim=-1)  # 1 for the lowest droppable id of each row
+    logits_NV.masked_fill_(tied_NV & (rank_NV <= surplus_N1), -float("inf"))

@@ -120,3 +120,66 @@ def test_top_p_over_a_large_vocabulary_keeps_vllms_set(scale: float) -> None:
     assert torch.equal(torch.isfinite(shaped_NV), expected)
     kept = expected.sum(dim=-1)
     assert (kept > 1024).all() if scale < 1 else (kept < 1024).all()
+
+
+def test_a_cut_inside_a_block_of_ties_keeps_as_many_as_vllm() -> None:
+    # logits 2, 1, 1, 1, 1, 0: probabilities e^2 / Z, e / Z (x4), 1 / Z, Z = e^2 + 4e + 1.
+    # Ascending, the cumulative masses are 1/Z, (1 + e)/Z, (1 + 2e)/Z, (1 + 3e)/Z, ... =
+    # 0.052, 0.193, 0.334, 0.475, 0.616, 1: top_p 0.6 drops those <= 0.4, the 0 and the first
+    # two of the tied 1s in sort order. vLLM keeps the 2 and two 1s, whichever two its sort
+    # puts last; every kept 1's log-prob is 1 - log(e^2 + 2e) (all four kept: 1 - log(e^2 + 4e)).
+    logits_1V = torch.tensor([[1.0, 1.0, 2.0, 1.0, 0.0, 1.0]])
+    distribution = TokenDistribution(top_p=0.6)
+    _, shaped_1V = shape_(logits_1V.clone(), distribution)
+    # the sampler's set: the lowest-id ties dropped first
+    assert torch.isfinite(shaped_1V[0]).tolist() == [False, False, True, True, False, True]
+    expected = 1.0 - math.log(math.e**2 + 2 * math.e)
+    # scoring any tied token keeps it and one other tie: the same log-prob for all four
+    for token in (0, 1, 3, 5):
+        _, scored_1V = shape_(logits_1V.clone(), distribution, keep_N=torch.tensor([token]))
+        assert int(torch.isfinite(scored_1V).sum()) == 3
+        assert scored_1V[0, token] == 1.0
+        logp = torch.log_softmax(scored_1V, dim=-1)[0, token].item()
+        assert logp == pytest.approx(expected, abs=1e-6)
+    assert expected - (1.0 - math.log(math.e**2 + 4 * math.e)) > 0.35  # what keeping all cost
+
+
+def _vllm_cut_logps(logits_NV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Log-probs under vLLM's sort path, worked from its definition: sort ascending, ``-inf``
+    below the k-th largest, then drop positions (not values) while the cumulative probability
+    is at most 1 - p, the last always kept; ``-inf`` for dropped tokens."""
+    ascending, order = logits_NV.sort(dim=-1)
+    kth = ascending[:, -top_k : -top_k + 1]
+    ascending = ascending.masked_fill(ascending < kth, -float("inf"))
+    dropped = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+    dropped[:, -1] = False
+    ascending = ascending.masked_fill(dropped, -float("inf"))
+    shaped = torch.empty_like(logits_NV).scatter_(-1, order, ascending)
+    return torch.log_softmax(shaped, dim=-1)
+
+
+def test_bf16_rounded_logits_are_cut_as_vllm_cuts_them() -> None:
+    # bf16 keeps 8 bits of mantissa: a 32,000-token row has blocks of equal logits, and a
+    # top_p cut often falls inside one. Every token vLLM kept (it can sample only those) must
+    # get vLLM's log-prob when the trainer scores it.
+    generator = torch.Generator().manual_seed(0)
+    logits_NV = (4 * torch.randn(400, 32000, generator=generator)).bfloat16().float() / 0.7
+    reference = _vllm_cut_logps(logits_NV, top_k=40, top_p=0.8)
+    kept_NV = torch.isfinite(reference)
+    distribution = TokenDistribution(top_k=40, top_p=0.8)
+    _, sampler_NV = shape_(logits_NV.clone(), distribution)
+    # the sampler keeps as many tokens per row as vLLM, and the same ones outside ties
+    assert torch.equal(torch.isfinite(sampler_NV).sum(-1), kept_NV.sum(-1))
+    for rank in range(3):  # score the 1st, 2nd and 3rd likeliest kept token of every row
+        token_N = reference.masked_fill(~kept_NV, -float("inf")).topk(rank + 1).indices[:, -1]
+        token_N = torch.where(kept_NV.gather(-1, token_N[:, None])[:, 0], token_N, 0)
+        _, scored_NV = shape_(logits_NV.clone(), distribution, keep_N=token_N)
+        got = torch.log_softmax(scored_NV, dim=-1).gather(-1, token_N[:, None])[:, 0]
+        want = reference.gather(-1, token_N[:, None])[:, 0]
+        rows = torch.isfinite(want)
+        torch.testing.assert_close(got[rows], want[rows], rtol=0, atol=2e-6)
+    # rows whose cut falls inside a tie block: the value at the cut has more tokens than
+    # vLLM kept (40 of these 400: the case is common, not contrived)
+    cut_N1 = logits_NV.masked_fill(~kept_NV, float("inf")).amin(-1, keepdim=True)
+    at_cut_NV = logits_NV == cut_N1
+    assert int((at_cut_NV.sum(-1) > (kept_NV & at_cut_NV).sum(-1)).sum()) >= 20

@@ -118,3 +118,31 @@ def test_the_engine_samples_the_distribution_the_trainer_scores(
     # vLLM's kernels are not HF's: its logits agree to fp32 rounding, not bit for bit
     torch.testing.assert_close(trainer[mask], batch.sampling_logps_BT[mask], rtol=0, atol=1e-4)
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_vllms_own_cut_of_bf16_logits_gives_the_trainers_logprobs() -> None:
+    """vLLM's top-k/top-p (its CPU path, ``apply_top_k_top_p``) on bf16-rounded logits,
+    where a cut often falls inside a block of ties: every token it keeps, scored by the
+    trainer's shaping, gets vLLM's log-prob exactly."""
+    import torch
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    from agile_llmenvs.backends import TokenDistribution
+    from agile_llmenvs.backends._shaping import shape_
+
+    generator = torch.Generator().manual_seed(1)
+    logits_NV = (4 * torch.randn(400, 32000, generator=generator)).bfloat16().float() / 0.7
+    rows = logits_NV.shape[0]
+    top_k, top_p = torch.full((rows,), 40), torch.full((rows,), 0.8)
+    reference_NV = torch.log_softmax(apply_top_k_top_p(logits_NV.clone(), top_k, top_p), dim=-1)
+    kept_NV = torch.isfinite(reference_NV)
+    distribution = TokenDistribution(top_k=40, top_p=0.8)
+    cut_N1 = logits_NV.masked_fill(~kept_NV, float("inf")).amin(-1, keepdim=True)
+    at_cut_NV = logits_NV == cut_N1
+    tied_rows = (at_cut_NV.sum(-1) > (kept_NV & at_cut_NV).sum(-1)).nonzero()[:, 0]
+    assert len(tied_rows) >= 20  # cuts inside a tie block are common at bf16
+    # score, in each row, the kept token tied at the cut (else the likeliest)
+    token_N = torch.where(kept_NV & at_cut_NV, 1, 0).argmax(-1)
+    _, scored_NV = shape_(logits_NV.clone(), distribution, keep_N=token_N)
+    got = torch.log_softmax(scored_NV, dim=-1).gather(-1, token_N[:, None])
+    torch.testing.assert_close(got, reference_NV.gather(-1, token_N[:, None]), rtol=0, atol=1e-6)

@@ -24,6 +24,7 @@ from agile_llmenvs.training.objective import (
     probe_logit_transform,
     scored_token_logps,
 )
+from agile_llmenvs.training.objective.logit_transform import _fit, _probe_logits
 
 #: The fast subset: plain families and the post-head transforms the issue names.
 FAST = {
@@ -213,3 +214,79 @@ def test_every_causal_lm_family_scores_its_own_logps_or_is_refused() -> None:
     assert sorted(refused) == REFUSED
     for name, transform in {**FAST, **TRANSFORMED}.items():
         assert passed[name].transform == transform, name
+
+
+def _llama_with_unused_cap(head_scale: float) -> Any:
+    """A tiny Llama whose config names `final_logit_softcapping: 30`, which Llama's forward
+    does not apply, with its output layer multiplied by ``head_scale``."""
+    model = _build("llama")
+    model.config.final_logit_softcapping = 30.0
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    return model
+
+
+def _own_logps(model: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, attention, mask = _inputs(model.config)
+    with torch.no_grad():
+        ours = scored_token_logps(model, ids, attention, mask).logps_BT
+        logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
+    own = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    return ours * mask, own * mask
+
+
+def test_an_unused_soft_cap_the_probe_cannot_rule_out_is_probed_again() -> None:
+    # logits of at most ~0.001 against a cap of 30: 30 tanh(y / 30) and y differ by y^3 / 2700,
+    # far below fp32's precision, so the first probe fits both
+    model = _llama_with_unused_cap(1e-4)
+    ids, _, _ = _inputs(model.config)
+    head, forward = _probe_logits(model, model, ids.device)
+    assert _fit(model, head, forward) == [LogitTransform(softcap=30.0), LogitTransform()]
+    # the second probe multiplies the output layer's logits to 60 at most: plainly not capped
+    assert probe_logit_transform(model, model, ids.device) == LogitTransform()
+    # the head grows (as training may make it): the cached transform still scores exactly,
+    # where the cap would be off by up to 50 - 30 tanh(50 / 30) = 22 nats a logit
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e4)
+    ours, own = _own_logps(model)
+    torch.testing.assert_close(ours, own, rtol=0, atol=TOLERANCE)
+
+
+def test_a_cap_the_forward_applies_is_found_from_logits_far_below_it() -> None:
+    model = _build("gemma2")  # final_logit_softcapping 2, applied
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e-5)
+    ids, _, _ = _inputs(model.config)
+    assert len(_fit(model, *_probe_logits(model, model, ids.device))) == 2
+    assert probe_logit_transform(model, model, ids.device) == LogitTransform(softcap=2.0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e5)
+    ours, own = _own_logps(model)
+    torch.testing.assert_close(ours, own, rtol=0, atol=TOLERANCE)
+
+
+def test_a_cap_the_probe_cannot_decide_on_is_refused() -> None:
+    from transformers import LlamaForCausalLM
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class DirectHeadLlama(LlamaForCausalLM):
+        """Computes its logits from the output layer's weight, not by calling the layer."""
+
+        def forward(self, input_ids: Any = None, attention_mask: Any = None, **_: Any) -> Any:
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask)[0]
+            logits = torch.nn.functional.linear(hidden, self.lm_head.weight)
+            return CausalLMOutputWithPast(logits=logits)
+
+    small = _llama_with_unused_cap(1e-4)
+    model = DirectHeadLlama(small.config)
+    model.load_state_dict(small.state_dict())
+    ids, _, _ = _inputs(model.config)
+    expected = (
+        "DirectHeadLlama's config names a soft cap, and its logits on the probe are too small "
+        "to tell whether its forward applies it; a second probe multiplies the output layer's "
+        "logits, but the forward does not call the output layer (`get_output_embeddings()`) "
+        "as a module. The scored path cannot know which log-probs the sampler draws from: "
+        "remove the soft cap from the config if the forward does not apply it"
+    )
+    with pytest.raises(LogitTransformError, match=f"^{re.escape(expected)}$"):
+        probe_logit_transform(model, model, ids.device)

@@ -12,6 +12,12 @@ output layer's own logits ``y`` and the forward's logits ``z``, fits ``z = cap(s
 soft cap ``cap`` (if any) from the config and the scale ``s`` snapped to a config value when
 one fits, and checks that the fit reproduces ``z`` to the dtype's precision. A model whose
 logits it does not reproduce is refused with :class:`~agile_llmenvs.errors.LogitTransformError`.
+
+A config may name a soft cap its forward does not apply, and logits far below the cap are
+nearly linear under it: when the probe's logits fit both the capped and the plain transform,
+it probes again with the output layer's logits multiplied (by a forward hook) until the
+largest is twice the cap, where the two differ by a quarter of it; a model for which even that
+cannot decide is refused.
 """
 
 from __future__ import annotations
@@ -92,15 +98,66 @@ def probe_logit_transform(model: Any, hf_model: Any, device: torch.device) -> Lo
     if cached is not None:
         return cached
     head_logits, forward_logits = _probe_logits(model, hf_model, device)
-    transform = _fit(hf_model, head_logits, forward_logits)
+    fits = _fit(hf_model, head_logits, forward_logits)
+    if len(fits) == 1:
+        transform = fits[0]
+    else:
+        transform = _widened_fit(model, hf_model, device, head_logits, *fits)
     hf_model.__dict__[_CACHE_ATTRIBUTE] = transform
     return transform
 
 
-def _probe_logits(model: Any, hf_model: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The output layer's logits and the forward's, ``[1, T, V]`` each, on a probe input."""
+def _widened_fit(
+    model: Any,
+    hf_model: Any,
+    device: torch.device,
+    head_logits: torch.Tensor,
+    capped: LogitTransform,
+    plain: LogitTransform,
+) -> LogitTransform:
+    """The transform, when the probe's logits fit both ``capped`` and ``plain``: from a second
+    probe whose output-layer logits are multiplied so that the largest, scaled, is twice the
+    cap (``cap(2c) = 0.96c``: capped and plain differ there by ``1.04c``).
+
+    Raises:
+        LogitTransformError: the logits are all 0, or even the second probe cannot decide.
+    """
+    assert capped.softcap is not None
+    softcap, name = capped.softcap, type(hf_model).__name__
+    largest = abs(plain.scale) * head_logits.double().abs().max().item()
+    fits: list[LogitTransform] = []
+    if largest > 0:
+        factor = 2.0 * softcap / largest
+        head, forward = _probe_logits(model, hf_model, device, widen=factor)
+        fits = _fit(hf_model, head, forward)  # the same s and cap, of the multiplied y
+    if len(fits) != 1:
+        raise LogitTransformError(
+            f"{name}'s config names a soft cap of {softcap:g}, and its logits on the probe (at "
+            f"most {largest:.3g}) fit both `{capped}` and `{plain}`; with the output layer's "
+            "logits multiplied to twice the cap the forward's still fit both (or its logits "
+            "are 0). The scored path cannot know which log-probs the sampler draws from: "
+            "remove the soft cap from the config if the forward does not apply it"
+        )
+    return fits[0]
+
+
+def _probe_logits(
+    model: Any, hf_model: Any, device: torch.device, widen: float = 1.0
+) -> tuple[torch.Tensor, ...]:
+    """The output layer's logits and the forward's, ``[1, T, V]`` each, on a probe input;
+    with ``widen``, the output layer's logits multiplied by it inside the forward (a hook on
+    the output layer) and in what is returned.
+
+    Raises:
+        LogitTransformError: the decoder, or the widened output layer, did not run as a module.
+    """
     output_layer = hf_model.get_output_embeddings()
     caught: list[torch.Tensor] = []
+    widened: list[bool] = []
+
+    def scale(_layer: Any, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        widened.append(True)
+        return output * widen
 
     def head(_decoder: Any, _inputs: Any, output: Any) -> None:
         # inside the forward, where an FSDP root's weights are gathered
@@ -112,19 +169,31 @@ def _probe_logits(model: Any, hf_model: Any, device: torch.device) -> tuple[torc
                 f"{hidden.shape[-1]} and its output layer takes {weight.shape[-1]}: a module "
                 "runs between them that the scored path does not apply"
             )
-        caught.append(torch.nn.functional.linear(hidden, weight, bias))
+        caught.append(torch.nn.functional.linear(hidden, weight, bias) * widen)
 
     ids = _probe_ids(hf_model.config, int(output_layer.weight.shape[0]), device)
-    handle = hf_model.get_decoder().register_forward_hook(head)
+    handles = [hf_model.get_decoder().register_forward_hook(head)]
+    if widen != 1.0:
+        handles.append(output_layer.register_forward_hook(scale))
     try:
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     if not caught:
         raise LogitTransformError(
             f"{type(hf_model).__name__}: its decoder (`get_decoder()`) did not run in the "
             "forward, so the scored path cannot catch the last hidden state"
+        )
+    if widen != 1.0 and not widened:
+        raise LogitTransformError(
+            f"{type(hf_model).__name__}'s config names a soft cap, and its logits on the probe "
+            "are too small to tell whether its forward applies it; a second probe multiplies "
+            "the output layer's logits, but the forward does not call the output layer "
+            "(`get_output_embeddings()`) as a module. The scored path cannot know which "
+            "log-probs the sampler draws from: remove the soft cap from the config if the "
+            "forward does not apply it"
         )
     return caught[-1], logits.logits
 
@@ -142,8 +211,12 @@ def _probe_ids(config: Any, vocab_size: int, device: torch.device) -> torch.Tens
     return torch.tensor([ids], device=device)
 
 
-def _fit(hf_model: Any, head_logits: torch.Tensor, forward_logits: torch.Tensor) -> LogitTransform:
-    """The scale and soft cap that take the head's logits to the forward's, or an error."""
+def _fit(
+    hf_model: Any, head_logits: torch.Tensor, forward_logits: torch.Tensor
+) -> list[LogitTransform]:
+    """The scale and soft cap that take the head's logits to the forward's: one transform,
+    or, where the config has a soft cap, the capped and the plain one when both fit (the
+    probe cannot tell which applies); an error when none does."""
     name = type(hf_model).__name__
     if forward_logits.shape != head_logits.shape:
         raise LogitTransformError(
@@ -156,7 +229,8 @@ def _fit(hf_model: Any, head_logits: torch.Tensor, forward_logits: torch.Tensor)
     softcap = next((values[field] for field in SOFTCAP_FIELDS if field in values), None)
     precision = _precision(head_logits, forward_logits)
     tolerance = precision * max(1.0, z.abs().max().item())
-    fits = []
+    fits: list[tuple[float, LogitTransform]] = []
+    found: list[LogitTransform] = []
     # a config may carry a soft cap its forward does not apply: then the plain scale fits;
     # the scale snapped to a config value first, as fitted if that is too far
     for cap in dict.fromkeys((softcap, None)):
@@ -165,8 +239,11 @@ def _fit(hf_model: Any, head_logits: torch.Tensor, forward_logits: torch.Tensor)
             transform = LogitTransform(scale=scale, softcap=cap)
             error = (transform.apply_(y.clone()) - z).abs().max().item()
             if error <= tolerance:
-                return transform
+                found.append(transform)
+                break
             fits.append((error, transform))
+    if found:
+        return found
     error, transform = min(fits, key=lambda fit: fit[0])
     raise LogitTransformError(
         f"{name}'s logits are not its output layer's logits of the decoder's last hidden state "

@@ -106,7 +106,7 @@ def test_runner_makes_one_engine_call_per_step(
     assert [t.num_steps for t in result.trajectories] == [1, 2, 3]
 
 
-@pytest.mark.parametrize("name", ["top-p-k", "penalty", "min-p"])
+@pytest.mark.parametrize("name", ["top-p-k", "top-p-k40", "penalty", "min-p"])
 def test_the_engine_samples_the_distribution_the_trainer_scores(
     engine: VLLMBackend, model_dir: Path, name: str
 ) -> None:

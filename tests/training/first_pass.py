@@ -75,6 +75,7 @@ def first_pass(
 SHAPED = {
     "temperature": SamplingParams(max_tokens=8, temperature=0.5, seed=3),
     "top-p-k": SamplingParams(max_tokens=8, temperature=0.7, top_p=0.8, top_k=20, seed=5),
+    "top-p-k40": SamplingParams(max_tokens=8, temperature=0.7, top_p=0.8, top_k=40, seed=9),
     "penalty": SamplingParams(
         max_tokens=8, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.1, seed=6
     ),

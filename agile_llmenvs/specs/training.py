@@ -326,8 +326,11 @@ class TrainingSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check_credit(self) -> TrainingSpec:
-        for name in ("credit_gamma", "credit_omega"):
-            if self.credit != "anchor" and name in self.model_fields_set:
+        for name in ("credit_gamma", "credit_omega"):  # a default is what a dump writes
+            if (
+                self.credit != "anchor"
+                and getattr(self, name) != type(self).model_fields[name].default
+            ):
                 raise fail(name, f"is `anchor`'s, and credit is {self.credit!r}: drop {name}")
         if self.credit == "episode":
             return self

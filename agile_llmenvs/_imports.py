@@ -27,6 +27,7 @@ __all__ = [
     "load_module_file",
     "load_object",
     "module_file",
+    "user_module_files",
 ]
 
 #: Where a relative path or a module Python cannot find is looked up, as messages say it.
@@ -38,6 +39,8 @@ _MODULE_LOOKED_UP = (
 # The folders of the manifests loaded so far, the latest first: a module a manifest names
 # that is not on sys.path is imported from one of them (see _import_module).
 _MANIFEST_FOLDERS: list[Path] = []
+# The Python files loaded by path, by the private module name each runs under.
+_USER_FILES: dict[str, Path] = {}
 
 
 def add_import_folder(folder: str | Path) -> None:
@@ -167,7 +170,18 @@ def load_module_file(path: Path) -> ModuleType:
     except BaseException:
         del sys.modules[name]
         raise
+    _USER_FILES[name] = path.resolve()
     return module
+
+
+def user_module_files() -> dict[str, Path]:
+    """The files :func:`load_module_file` has loaded, by the module name each runs under.
+
+    An object of such a module pickles by reference to that name, which another interpreter
+    cannot import: it must load the same files first (the name is the path's digest, so
+    loading a file gives it the same name there).
+    """
+    return dict(_USER_FILES)
 
 
 def load_env_config(env_config: dict[str, Any] | str | None) -> dict[str, Any]:

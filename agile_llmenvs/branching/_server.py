@@ -174,6 +174,15 @@ def _load(payload: bytes) -> tuple[Any, Any]:
     ``adopt`` request to the zygote), never from a branch.
     """
     kind, *rest = pickle.loads(payload)
+    if kind == "files":  # the files loaded by path in the trainer, loaded here first
+        files, inner = rest
+        from pathlib import Path
+
+        from agile_llmenvs._imports import load_module_file
+
+        for path in files.values():
+            load_module_file(Path(path))
+        return _load(inner)
     if kind == "env":
         env, state = rest
         return env, state

@@ -12,6 +12,7 @@ process directly, with no shipping at all.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from typing import Any
 
 import cloudpickle
 
+from agile_llmenvs._imports import user_module_files
 from agile_llmenvs.branching._wire import WireRefusedError, receive, send, send_socket, socketpair
 from agile_llmenvs.branching.checkpoint import Checkpoint
 from agile_llmenvs.core.types import Action, Environment, EnvironmentSpec, State, StepResult
@@ -244,6 +246,12 @@ class ProcessForkStrategy:
             self._zygote = None
 
     def _payload(self, checkpoint: Checkpoint, env: Environment) -> bytes:
+        """The env (or its replay recipe), after the Python files loaded by path that the
+        zygote must load before unpickling it (a file entrypoint's env class lives in one)."""
+        files = {name: str(path) for name, path in user_module_files().items()}
+        return pickle.dumps(("files", files, self._shipped(checkpoint, env)))
+
+    def _shipped(self, checkpoint: Checkpoint, env: Environment) -> bytes:
         try:
             return bytes(cloudpickle.dumps(("env", env, checkpoint.state)))
         except Exception as exc:

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from training.launch import TWO_PROCESSES, accelerate_launch
 
 from agile_llmenvs.core import RolloutBatch
+from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.llm_envs import RolloutCollector, RolloutHarness
 from agile_llmenvs.training import train_grpo
 from agile_llmenvs.training.credit import (
@@ -282,20 +283,61 @@ def test_grpo_trains_with_turn_mc_and_logs_what_the_credit_cost(
         assert math.isfinite(row["loss"])
 
 
-def test_a_run_whose_env_cannot_branch_says_so_once_and_counts_every_fallback(
+def test_a_run_whose_env_cannot_branch_is_refused_after_its_first_step(
     tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    manifest = door_manifest(
-        tiny_model_dir, tmp_path / "run", "UnforkableDoorEnv", credit="turn_mc"
+    """Every episode falling back would be episode credit at turn_mc's cost: the run stops
+    after the first step with multi-turn episodes, saying why and what to set."""
+    out = tmp_path / "run"
+    manifest = door_manifest(tiny_model_dir, out, "UnforkableDoorEnv", credit="turn_mc")
+    with (
+        caplog.at_level(logging.WARNING, logger="agile_llmenvs.training.grpo"),
+        pytest.raises(AgileLLMEnvsError) as raised,
+    ):
+        train_grpo(manifest)
+    message = str(raised.value)
+    assert message.startswith(
+        "training.credit: turn_mc valued no state at step 1: all 4 of its multi-turn episodes "
+        "fell back to episode credit (BranchError: 'UnforkableDoorEnv' is not forkable"
     )
-    with caplog.at_level(logging.WARNING, logger="agile_llmenvs.training.grpo"):
-        result = train_grpo(manifest)
-    assert [row["credit_fallback_episodes"] for row in result.metrics] == [4.0, 4.0]
-    assert [row["credit_states"] for row in result.metrics] == [0.0, 0.0]
+    assert message.endswith(
+        "Set training.credit_branching (now 'auto') to one that can branch this env "
+        "(docs/branching.md: `action_replay` for an env deterministic given its seed and task, "
+        "`process_fork` for one whose episodes live in its own memory), or use `credit: "
+        "anchor` (no branching) or `credit: episode`"
+    )
+    rows = read_metrics(out / "metrics.csv")  # the step it saw is recorded
+    assert [float(row["credit_fallback_episodes"]) for row in rows] == [4.0]
     warnings = [r.getMessage() for r in caplog.records if "cannot branch" in r.getMessage()]
     assert len(warnings) == 1
-    assert "is not forkable" in warnings[0]
     assert "credit_fallback_episodes" in warnings[0]
+
+
+@pytest.mark.parametrize("branching", ["auto", "process_fork", "action_replay"])
+def test_an_env_from_a_python_file_branches_under_every_strategy(
+    tiny_model_dir: Path, tmp_path: Path, branching: str
+) -> None:
+    """The env the own-env guide teaches: a class in a file next to the manifest, loaded
+    under a private module name. ProcessFork's zygote loads the same file before unpickling
+    it (it used to fail to import the name, and every episode fell back)."""
+    source = Path(__file__).parents[1] / "branch_envs.py"
+    env_file = tmp_path / "my_door.py"  # a file outside the tests' import path
+    env_file.write_text(
+        source.read_text()
+        + "\n\nclass ForkedDoorEnv(DoorEnv):\n    pure_step = False  # auto: ProcessFork\n"
+    )
+    manifest = door_manifest(
+        tiny_model_dir,
+        tmp_path / "run",
+        credit="turn_mc",
+        credit_rollouts=2,
+        credit_branching=branching,
+    )
+    data = manifest.model_dump(mode="json", exclude_unset=True)
+    data["env"]["entrypoint"] = f"{env_file}:ForkedDoorEnv"
+    result = train_grpo(type(manifest).model_validate(data))
+    assert [row["credit_fallback_episodes"] for row in result.metrics] == [0.0, 0.0]
+    assert [row["credit_states"] for row in result.metrics] == [8.0, 8.0]
 
 
 def test_grpo_trains_with_anchor_credit_at_no_extra_cost(

@@ -26,6 +26,7 @@ import torch
 
 from agile_llmenvs._run_files import ROLLOUTS_FILE
 from agile_llmenvs.core import RolloutBatch, Trajectory
+from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.specs import RunManifest
 from agile_llmenvs.training.credit import (
     AnchorSettings,
@@ -165,9 +166,38 @@ def _train(run: GRPORun, settings: RunSettings, book: RunBook) -> None:
             shown["failed"] = row["failed_episodes"] / episodes
         book.record(row, shown)
         failures.check(step + 1, int(row["failed_episodes"]), episodes)
+        _check_credit(run, settings, step + 1, row)
         if book.stop_requested():
             break
         book.save_if_due()
+
+
+def _check_credit(run: GRPORun, settings: RunSettings, step: int, row: dict[str, float]) -> None:
+    """Refuse a ``turn_mc`` run whose episodes all fall back to episode credit: once a step
+    has multi-turn episodes and the run has valued no state yet, the env cannot be branched
+    this way, and the run would cost ``turn_mc``'s time for episode credit's updates. The row
+    is summed over processes, so every process decides alike.
+
+    Raises:
+        AgileLLMEnvsError: step ``step`` valued no state and had episodes fall back.
+    """
+    if settings.turn_mc is None or run.credit_valued:
+        return
+    if row["credit_states"] > 0:
+        run.credit_valued = True
+        return
+    fallbacks = int(row["credit_fallback_episodes"])
+    if fallbacks == 0:
+        return
+    reasons = "; ".join(run.credit_refusals.values()) or "no checkpoint was taken"
+    raise AgileLLMEnvsError(
+        f"training.credit: turn_mc valued no state at step {step}: all {fallbacks} of its "
+        f"multi-turn episodes fell back to episode credit ({reasons}). Set "
+        f"training.credit_branching (now {settings.turn_mc.branching!r}) to one that can branch "
+        "this env (docs/branching.md: `action_replay` for an env deterministic given its seed "
+        "and task, `process_fork` for one whose episodes live in its own memory), or use "
+        "`credit: anchor` (no branching) or `credit: episode`"
+    )
 
 
 def _evaluate(run: GRPORun, step: int) -> dict[str, float]:
@@ -390,13 +420,14 @@ def _collect(
     return rollout, rewards_GN, gen_time, values
 
 
-def _warn_refused(values: StateValues, shown: set[str]) -> None:
-    """Say once a run per kind (``shown``: the kinds said) why episodes could not be branched
-    (they keep their episode advantage; ``credit_fallback_episodes`` counts them each step)."""
+def _warn_refused(values: StateValues, shown: dict[str, str]) -> None:
+    """Say once a run per kind (``shown``: the reasons said, by kind) why episodes could not
+    be branched (they keep their episode advantage; ``credit_fallback_episodes`` counts them
+    each step)."""
     for reason in values.refused.values():
         kind = reason.split(":", 1)[0]
         if kind not in shown:
-            shown.add(kind)
+            shown[kind] = reason
             logger.warning(
                 "credit: turn_mc cannot branch an episode (%s); it keeps its episode "
                 "advantage, counted in credit_fallback_episodes",

@@ -55,7 +55,10 @@ class GRPORun:
     server: ServerRollouts | None = None
     held_out: HeldOutEval | None = None
     processor: Any = None  # a vision-language policy's, saved with its checkpoints
-    credit_refusals: set[str] = field(default_factory=set)  # turn_mc refusals already said
+    # turn_mc: why episodes could not be branched, one reason per kind (each said once), and
+    # whether any state has been valued in this run yet
+    credit_refusals: dict[str, str] = field(default_factory=dict)
+    credit_valued: bool = False
     checkpoints: TurnCheckpoints | None = None  # turn_mc's, made at the first collection
 
     @property

@@ -29,6 +29,7 @@ __all__ = [
     "RUN_FILES",
     "RUN_LOCK",
     "RUN_MANIFEST",
+    "RUN_MARKER",
     "STALE_SUFFIX",
     "TENSORBOARD_DIR",
     "TRACKER_IDS",
@@ -56,6 +57,9 @@ TRACKER_IDS = "trackers.json"
 #: ``training.report_to``'s W&B runs and MLflow file store.
 WANDB_DIR = "wandb"
 MLFLOW_DIR = "mlruns"
+#: Written first by every run into its folder: what lets ``--overwrite`` delete the run's files
+#: there (a folder holding files named like a run's without it is not a run's: it is refused).
+RUN_MARKER = ".agile-llmenvs-run"
 #: The lock file the run writing a folder holds (its pid inside, for the refusal to name).
 RUN_LOCK = ".run.lock"
 #: Where a sharded policy's weights go for its vLLM engines to read (one folder per sync).
@@ -80,6 +84,7 @@ CHECKPOINT_RANK_FILE = "rank{rank}.pt"
 #: What a run writes besides its checkpoints (``agile-llmenvs show`` adds the page of its
 #: rollouts): an overwrite removes these and the checkpoint folders, nothing else.
 RUN_FILES = (
+    RUN_MARKER,
     METRICS_FILE,
     METRICS_PLOT,
     TENSORBOARD_DIR,

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from agile_llmenvs._run_files import RUN_LOCK
+from agile_llmenvs._run_files import RUN_LOCK, RUN_MARKER
 from agile_llmenvs.cli import main
 from agile_llmenvs.errors import CheckpointError
 from agile_llmenvs.specs import ModelSpec, RunManifest, TrainingSpec, dump_manifest, load_manifest
@@ -183,6 +183,47 @@ def test_overwrite_replaces_the_run_and_only_the_run(here: Path, tiny_model_dir:
     )
     assert not (here / SFT_RUN / "rollouts.jsonl").exists()
     assert (here / SFT_RUN / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("flags", [{"overwrite": True}, {}], ids=["overwrite", "fresh"])
+def test_a_folder_no_run_wrote_is_left_alone_though_its_files_have_a_runs_names(
+    tmp_path: Path, tiny_model_dir: Path, flags: dict[str, bool]
+) -> None:
+    """W&B's, MLflow's and TensorBoard's default folders, a page and a user's own manifest:
+    named as a run's files, written by no run. An overwrite would delete them and a fresh
+    start write over the manifest; both are refused and nothing changes."""
+    folder = tmp_path / "experiments"
+    for name in ("wandb", "mlruns", "tensorboard"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "kept.txt").write_text(name)
+    (folder / "rollouts.html").write_text("<html></html>")
+    (folder / "manifest.yaml").write_text("mine: true\n")
+    before = _snapshot(folder)
+    manifest = _manifest(tiny_model_dir, "sft_digits.yaml", max_steps=1, output_dir=str(folder))
+    with pytest.raises(CheckpointError) as raised:
+        train_sft(manifest, **flags)
+    assert str(raised.value) == (
+        f"{folder} holds manifest.yaml, mlruns, rollouts.html, tensorboard, wandb, named as a "
+        "run's files, but no run of this library marked the folder as its own "
+        "(.agile-llmenvs-run): a run there would write over them, and --overwrite would delete "
+        "them. Give training.output_dir an empty or new folder, or move them out (a run of a "
+        "version before the marker: delete its folder yourself, or resume it with --resume)"
+    )
+    assert _snapshot(folder) == before
+
+
+def test_a_run_marks_its_folder_and_an_overwrite_removes_the_mark_with_the_run(
+    here: Path, tiny_model_dir: Path
+) -> None:
+    assert (here / SFT_RUN / RUN_MARKER).is_file()
+    (here / SFT_RUN / RUN_MARKER).unlink()  # as a folder no run marked
+    manifest = _manifest(tiny_model_dir, "sft_digits.yaml", max_steps=1, tensorboard=False)
+    with pytest.raises(CheckpointError, match="no run of this library marked the folder"):
+        train_sft(manifest, overwrite=True)
+    longer = _manifest(tiny_model_dir, "sft_digits.yaml", max_steps=3, tensorboard=False)
+    assert train_sft(longer, resume=True).steps == 3  # a resume deletes nothing: it may
+    assert (here / SFT_RUN / RUN_MARKER).is_file()  # and it marks the folder
+    assert train_sft(manifest, overwrite=True).steps == 1
 
 
 def test_resume_refuses_the_run_of_another_algorithm(here: Path, tiny_model_dir: Path) -> None:

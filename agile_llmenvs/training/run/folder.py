@@ -3,11 +3,15 @@ must match.
 
 A folder *holds a run* when it has ``metrics.csv`` or a ``checkpoint-<step>`` folder. A fresh
 start refuses such a folder unless told to overwrite it (then it removes the run's own files
-and nothing else); a resume refuses a folder without a complete checkpoint, and a run whose
-manifest differs from this one in anything but :data:`RESUMABLE_CHANGES`. Every run stores
-the manifest it runs as ``manifest.yaml`` in its folder, with its paths made absolute, so a
-resume compares the files both name, and ``agile-llmenvs train runs/x/manifest.yaml
---resume`` continues a run with exactly what it ran.
+and nothing else). Every run first writes :data:`~agile_llmenvs._run_files.RUN_MARKER` into
+its folder: a folder that holds files named like a run's (``wandb/``, ``mlruns/``,
+``manifest.yaml``...) without it was not written by a run, and neither a fresh start (which
+would write over them) nor an overwrite (which would delete them) touches it. A resume
+refuses a folder without a complete checkpoint, and a run whose manifest differs from this
+one in anything but :data:`RESUMABLE_CHANGES`. Every run stores the manifest it runs as
+``manifest.yaml`` in its folder, with its paths made absolute, so a resume compares the files
+both name, and ``agile-llmenvs train runs/x/manifest.yaml --resume`` continues a run with
+exactly what it ran.
 
 :func:`plan_run` only reads (every process of a run calls it, before any writes);
 :func:`start_run` writes, on the main process. The main process holds the folder's
@@ -37,6 +41,7 @@ from agile_llmenvs._run_files import (
     RUN_FILES,
     RUN_LOCK,
     RUN_MANIFEST,
+    RUN_MARKER,
     STALE_SUFFIX,
 )
 from agile_llmenvs.errors import CheckpointError
@@ -225,6 +230,7 @@ def plan_run(settings: RunSettings, *, resume: bool, overwrite: bool) -> RunPlan
 def _plan(settings: RunSettings, *, resume: bool, overwrite: bool) -> RunPlan:
     output_dir = settings.output_dir
     if not resume:
+        _check_foreign(output_dir)
         held = _run_marks(output_dir)
         if held and not overwrite:
             raise CheckpointError(
@@ -252,6 +258,10 @@ def start_run(plan: RunPlan, manifest: RunManifest, accelerator: Any) -> None:
         plan.output_dir.mkdir(parents=True, exist_ok=True)
         if plan.overwrite:
             _remove_run(plan.output_dir)
+        (plan.output_dir / RUN_MARKER).write_text(
+            "A training run of agile-llmenvs writes this folder (--overwrite deletes its run).\n",
+            encoding="utf-8",
+        )
         _store_manifest(manifest, plan.output_dir)
     accelerator.wait_for_everyone()
 
@@ -314,6 +324,29 @@ def _differences(before: Any, after: Any, prefix: str = "") -> list[tuple[str, A
         dotted = f"{prefix}.{key}" if prefix else str(key)
         found += _differences(before.get(key), after.get(key), dotted)
     return found
+
+
+def _check_foreign(output_dir: Path) -> None:
+    """Refuse a folder holding files named like a run's that no run marked as its own.
+
+    Raises:
+        CheckpointError: ``output_dir`` has such files and no :data:`RUN_MARKER`.
+    """
+    if not output_dir.is_dir() or (output_dir / RUN_MARKER).exists():
+        return
+    named = sorted(
+        entry.name
+        for entry in output_dir.iterdir()
+        if entry.name in RUN_FILES or _CHECKPOINT_ENTRY.match(entry.name)
+    )
+    if named:
+        raise CheckpointError(
+            f"{output_dir} holds {', '.join(named)}, named as a run's files, but no run of "
+            f"this library marked the folder as its own ({RUN_MARKER}): a run there would "
+            "write over them, and --overwrite would delete them. Give training.output_dir "
+            "an empty or new folder, or move them out (a run of a version before the marker: "
+            "delete its folder yourself, or resume it with --resume)"
+        )
 
 
 def _run_marks(output_dir: Path) -> list[str]:

@@ -32,6 +32,7 @@ __all__ = [
     "ImportPathError",
     "LogitTransformError",
     "ManifestError",
+    "NonFiniteUpdateError",
     "OptionalDependencyError",
     "ReplayError",
     "SlotTimeoutError",
@@ -233,6 +234,12 @@ class LogitTransformError(AgileLLMEnvsError, TypeError):
 class CheckpointError(AgileLLMEnvsError):
     """A run cannot resume (no checkpoint, or one saved by another setup), its folder is in
     use by another run, or its files could not be written (the disk full)."""
+
+
+class NonFiniteUpdateError(AgileLLMEnvsError, FloatingPointError):
+    """A learning step stopped before it changed a weight: the sampler recorded a log-prob no
+    sampled token can have (non-finite, positive, or below ``-100``), or the step's gradient
+    norm is not finite. The run ends with it (exit 2), its weights as they were."""
 
 
 class EnvFailuresError(AgileLLMEnvsError, RuntimeError):

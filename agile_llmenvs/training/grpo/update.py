@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from agile_llmenvs.core.images import image_model_inputs
+from agile_llmenvs.errors import NonFiniteUpdateError
 from agile_llmenvs.training.grpo.policy_batch import PolicyBatch
 from agile_llmenvs.training.objective import (
     PolicyTokenLoss,
@@ -202,6 +203,7 @@ def _with_behaviour_logps(
 
     With ``paired`` (a sharded policy) every process scores when any process must.
     """
+    _check_sampling_logps(batch, distributed=paired or torch.distributed.is_initialized())
     missing_BT = batch.sampling_logps_BT.isnan() & batch.action_mask_BT
     missing = bool(missing_BT.any())
     if paired:
@@ -211,6 +213,43 @@ def _with_behaviour_logps(
     own_BT = _score(model, batch, settings, paired=paired)
     sampling_BT = torch.where(missing_BT, own_BT, batch.sampling_logps_BT)
     return dataclasses.replace(batch, sampling_logps_BT=sampling_BT)
+
+
+#: No sampled token has a lower log-prob (``p < 4e-44``, below float32's normal range): vLLM
+#: writes -9999 for a ``-inf`` it cannot send.
+SAMPLED_LOGP_FLOOR = -100.0
+
+
+def _check_sampling_logps(batch: PolicyBatch, *, distributed: bool) -> None:
+    """Refuse a batch whose sampler recorded a log-prob no sampled token can have: ``inf``,
+    above 0 (by more than rounding), or below :data:`SAMPLED_LOGP_FLOOR` (NaN is a log-prob
+    not recorded: the policy scores it). Every process decides alike.
+
+    Raises:
+        NonFiniteUpdateError: such a log-prob, on any process.
+    """
+    logps_BT = batch.sampling_logps_BT
+    bad_BT = batch.action_mask_BT & ((logps_BT < SAMPLED_LOGP_FLOOR) | (logps_BT > 1e-3))
+    bad = bool(bad_BT.any())
+    if distributed:
+        bad = any_process(bad, batch.input_ids_BT.device)
+    if not bad:
+        return
+    where = bad_BT.nonzero()
+    detail = "on another process"
+    if len(where):
+        row, position = where[0].tolist()
+        detail = (
+            f"{len(where)} of this process's sampled tokens, the first {logps_BT[row, position]} "
+            f"(row {row}, position {position})"
+        )
+    raise NonFiniteUpdateError(
+        f"the sampler recorded log-probs no sampled token can have ({detail}; a sampled "
+        f"token's log-prob lies in [{SAMPLED_LOGP_FLOOR:g}, 0]): its ratio would be inf and "
+        "the update NaN. Stopped before learning from them: the weights and the last "
+        "checkpoint are as they were. The generation backend answers wrong (a vLLM server "
+        "writes -9999 for -inf): check its version and --logprobs-mode processed_logprobs"
+    )
 
 
 def _score(

@@ -18,6 +18,7 @@ also runs a sharded reference, DPO's, brings its own zero-loss pass through both
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from agile_llmenvs.errors import NonFiniteUpdateError
 from agile_llmenvs.training.policy.sharding import idle_forward, is_sharded, max_over_processes
 
 __all__ = ["Learner", "micro_batch_slices", "reduce_sum"]
@@ -69,6 +71,9 @@ class Learner:
 
         Returns:
             The gradient norm before clipping.
+
+        Raises:
+            NonFiniteUpdateError: the gradient norm is not finite (no weight is changed).
         """
         accelerator = self.accelerator
         sharded = is_sharded(self.model)
@@ -86,10 +91,19 @@ class Learner:
                 accelerator.backward(loss * scale)
         if not sharded:
             self._sum_gradients()
-        grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        grad_norm = float(accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+        if not math.isfinite(grad_norm):  # the norm is global: every process stops alike
+            self.optimizer.zero_grad(set_to_none=False)
+            raise NonFiniteUpdateError(
+                f"the gradient norm of this optimizer step is {grad_norm}: the loss or its "
+                "gradient is not finite, and the step would write NaN into every weight. "
+                "Stopped before the optimizer stepped: the weights and the last checkpoint are "
+                "as they were. Look for a log-prob or reward out of range in this step's batch, "
+                "or lower training.learning_rate"
+            )
         self.optimizer.step()
         self.scheduler.step()
-        return float(grad_norm)
+        return grad_norm
 
     def skip_step(self) -> None:
         """Move the schedule on as one optimizer step would, without one (a mini-batch with

@@ -234,6 +234,12 @@ class DoorEnv:
         pass
 
 
+class ForkedDoorEnv(DoorEnv):
+    """A DoorEnv that does not declare ``pure_step``: ``auto`` branches it by ProcessFork."""
+
+    pure_step = False
+
+
 class UnforkableDoorEnv(DoorEnv):
     """A DoorEnv that says it cannot be forked (it stands for one holding a shell)."""
 

@@ -11,6 +11,7 @@ process directly, with no shipping at all.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
@@ -33,6 +34,10 @@ __all__ = ["ForkedEnvironment", "ProcessForkStrategy"]
 _HUGEPAGES = "glibc.malloc.hugetlb=1"
 
 
+class _GoneError(BranchError):
+    """A branch process stopped answering: it exited or was killed."""
+
+
 class _Node:
     """A process of the branch tree that answers requests over one socket."""
 
@@ -52,7 +57,7 @@ class _Node:
                     send_socket(self.sock, handover)
                 status, value = receive(self.sock)
             except (EOFError, OSError) as exc:
-                raise BranchError(f"branch process {self.pid} is gone: {exc}") from exc
+                raise _GoneError(f"branch process {self.pid} is gone: {exc}") from exc
             except WireRefusedError as exc:  # not its reply: something else wrote to it
                 refused = exc
         if refused is not None:
@@ -92,8 +97,11 @@ class _Node:
         return mine, pid, greeting
 
     def reap(self, pid: int) -> None:
-        """Wait for the child ``pid`` after its socket was closed."""
-        if not self.closed:
+        """Wait for the child ``pid`` after its socket was closed (nothing to do if this
+        process is gone: its children were handed to init, which reaps them)."""
+        if self.closed:
+            return
+        with contextlib.suppress(_GoneError):
             self.call("reap", pid)
 
     def close(self) -> None:
@@ -220,7 +228,8 @@ class ProcessForkStrategy:
         self._zygote: _Zygote | None = None
 
     def hold(self, checkpoint: Checkpoint, env: Environment | None = None) -> _ForkCheckpoint:
-        """Start a holder process with the env at ``checkpoint``.
+        """Start a holder process with the env at ``checkpoint`` (a zygote that died is
+        replaced first; its holders live on, each its own process).
 
         Args:
             checkpoint: The state to hold.
@@ -234,6 +243,9 @@ class ProcessForkStrategy:
         env = self.env if env is None else env
         if isinstance(env, ForkedEnvironment):
             return _ForkCheckpoint(env.fork(), checkpoint.state)
+        if self._zygote is not None and self._zygote.process.poll() is not None:
+            self._zygote.close()  # it died (killed, out of memory): a new one takes over
+            self._zygote = None
         if self._zygote is None:
             self._zygote = _Zygote.start()
         holder, state = self._zygote.adopt(self._payload(checkpoint, env))

@@ -322,10 +322,7 @@ def test_an_env_from_a_python_file_branches_under_every_strategy(
     it (it used to fail to import the name, and every episode fell back)."""
     source = Path(__file__).parents[1] / "branch_envs.py"
     env_file = tmp_path / "my_door.py"  # a file outside the tests' import path
-    env_file.write_text(
-        source.read_text()
-        + "\n\nclass ForkedDoorEnv(DoorEnv):\n    pure_step = False  # auto: ProcessFork\n"
-    )
+    env_file.write_text(source.read_text())  # ForkedDoorEnv: auto branches by ProcessFork
     manifest = door_manifest(
         tiny_model_dir,
         tmp_path / "run",
@@ -338,6 +335,38 @@ def test_an_env_from_a_python_file_branches_under_every_strategy(
     result = train_grpo(type(manifest).model_validate(data))
     assert [row["credit_fallback_episodes"] for row in result.metrics] == [0.0, 0.0]
     assert [row["credit_states"] for row in result.metrics] == [8.0, 8.0]
+
+
+def test_a_killed_zygote_is_replaced_and_the_run_goes_on(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kill -9 of ProcessFork's zygote while step 1's states wait to be valued: its holders
+    are processes of their own and still branch; releasing them no longer asks the dead
+    zygote to reap (the run used to end with a BranchError there); step 2 starts a new one."""
+    import os
+    import signal
+
+    from agile_llmenvs.training.grpo import loop
+
+    real = loop.estimate_values
+    killed: list[int] = []
+
+    def kill_first(checkpoints: Any, *args: Any) -> Any:
+        if not killed:
+            zygote = checkpoints._strategy._zygote
+            os.kill(zygote.pid, signal.SIGKILL)
+            zygote.process.wait()
+            killed.append(zygote.pid)
+        return real(checkpoints, *args)
+
+    monkeypatch.setattr(loop, "estimate_values", kill_first)
+    manifest = door_manifest(
+        tiny_model_dir, tmp_path / "run", "ForkedDoorEnv", credit="turn_mc", credit_rollouts=2
+    )
+    result = train_grpo(manifest)
+    assert len(killed) == 1
+    assert [row["credit_states"] for row in result.metrics] == [8.0, 8.0]
+    assert [row["credit_fallback_episodes"] for row in result.metrics] == [0.0, 0.0]
 
 
 def test_grpo_trains_with_anchor_credit_at_no_extra_cost(

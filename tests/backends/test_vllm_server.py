@@ -40,8 +40,8 @@ class FakeServer:
     """An aiohttp app in a thread of its own that answers ``/v1/completions`` with the
     prompt's first id, after ``delay_s``; it records the prompts it got."""
 
-    def __init__(self, delay_s: float = 0.0) -> None:
-        self.delay_s = delay_s
+    def __init__(self, delay_s: float = 0.0, answer: str = "right") -> None:
+        self.delay_s, self.answer = delay_s, answer  # "right", "garbage" JSON or "html"
         self.prompts: list[list[int]] = []
         self.bodies: list[dict[str, Any]] = []
         self.port = free_port()
@@ -60,6 +60,8 @@ class FakeServer:
         self.bodies.append(body)
         self.prompts.append(body["prompt"])
         await asyncio.sleep(self.delay_s)
+        if self.answer != "right":
+            return self._wrong()
         first = body["prompt"][0]
         return web.json_response(
             {
@@ -73,10 +75,26 @@ class FakeServer:
             }
         )
 
+    def _wrong(self) -> web.Response:
+        if self.answer == "garbage":
+            return web.Response(text='{"choices": [tru', content_type="application/json")
+        return web.Response(text="<html>Welcome</html>", content_type="text/html")
+
+    async def _rpc(self, request: web.Request) -> web.Response:
+        self.bodies.append(await request.json())
+        if self.answer != "right":
+            return self._wrong()
+        return web.json_response({"results": [None]})
+
+    async def _empty(self, request: web.Request) -> web.Response:
+        return web.Response()
+
     def _main(self) -> None:
         asyncio.set_event_loop(self._loop)
         app = web.Application()
         app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/collective_rpc", self._rpc)
+        app.router.add_post("/reset_prefix_cache", self._empty)
         runner = web.AppRunner(app)
         self._loop.run_until_complete(runner.setup())
         self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
@@ -94,8 +112,8 @@ class FakeServer:
 def fakes() -> Iterator[Callable[..., FakeServer]]:
     made: list[FakeServer] = []
 
-    def make(delay_s: float = 0.0) -> FakeServer:
-        made.append(FakeServer(delay_s))
+    def make(delay_s: float = 0.0, answer: str = "right") -> FakeServer:
+        made.append(FakeServer(delay_s, answer))
         return made[-1]
 
     yield make
@@ -194,6 +212,68 @@ def test_refused_connection_names_the_url(fakes: Callable[..., FakeServer]) -> N
         fake_backend([closed]).generate([[1]], GREEDY)
     assert raised.value.url == closed
     backend.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        ("garbage", "answered Expecting value: line 1 column 14 (char 13)"),
+        ("html", "answered a 'text/html' body, not JSON: '<html>Welcome</html>'"),
+    ],
+)
+def test_a_server_answering_no_json_fails_only_its_requests_and_is_down(
+    fakes: Callable[..., FakeServer], answer: str, said: str
+) -> None:
+    wrong, right = fakes(answer=answer), fakes()
+    backend = fake_backend([wrong.url, right.url], routing="round_robin")
+    results = backend.generate_results([[1], [2]], GREEDY)
+    assert isinstance(results[0], GenerationServerError)
+    assert results[0].url == wrong.url
+    assert str(results[0]) == (
+        f"{wrong.url}/v1/completions {said} (is it a vLLM server, and is it well?)"
+    )
+    assert isinstance(results[1], Generation)
+    # down, as a failed server: the next requests all go to the other
+    assert [g.token_ids for g in backend.generate([[3], [4]], GREEDY)] == [(3,), (4,)]
+    assert sorted(right.prompts) == [[2], [3], [4]]
+    backend.close()
+
+
+def test_token_ids_outside_the_vocabulary_fail_the_request(
+    fakes: Callable[..., FakeServer],
+) -> None:
+    fake = fakes()  # it answers each prompt's first id as the completion
+    backend = fake_backend([fake.url], vocab_size=500)
+    results = backend.generate_results([[10**9], [-3], [499]], GREEDY)
+    assert [str(r) for r in results[:2]] == [
+        f"{fake.url} sent token id 1000000000, outside the vocabulary (0 to 499): is it "
+        "serving this model?",
+        f"{fake.url} sent token id -3, outside the vocabulary (0 to 499): is it serving this "
+        "model?",
+    ]
+    assert isinstance(results[2], Generation)
+    unbounded = fake_backend([fake.url])  # without a size, a negative id is still refused
+    assert isinstance(unbounded.generate_results([[-3]], GREEDY)[0], GenerationServerError)
+    assert unbounded.generate([[10**6]], GREEDY)[0].token_ids == (10**6,)
+    backend.close()
+    unbounded.close()
+
+
+def test_an_html_200_from_collective_rpc_fails_the_sync_there(
+    fakes: Callable[..., FakeServer], tmp_path: Path
+) -> None:
+    """A reload answered by a page (a proxy's, say) is no reload: that server is retired
+    as one that failed the sync; alone, it fails the sync and the version stays."""
+    page, right = fakes(answer="html"), fakes()
+    backend = fake_backend([page.url, right.url])
+    assert backend.load_weights_from(tmp_path, version=1) == (page.url,)
+    assert (backend.version, backend.urls) == (1, (right.url,))
+    backend.close()
+    alone = fake_backend([fakes(answer="html").url])
+    with pytest.raises(GenerationServerError, match="not JSON"):
+        alone.load_weights_from(tmp_path, version=1)
+    assert alone.version == 0
+    alone.close()
 
 
 def test_agenerate_elsewhere_than_the_session_loop_is_refused(

@@ -75,6 +75,10 @@ class VLLMServerBackend(LocalChatBackend):
             to read it (same machine, or a shared filesystem). ``None``: a temporary folder.
         weight_transfer: ``"files"`` (the folder above) or ``"gloo"`` (streamed, see above).
         transfer_host: With ``"gloo"``: the address the servers reach this process at.
+        vocab_size: The ids a reply may hold, ``[0, vocab_size)``: the model's embedding rows
+            (a training run passes its policy's); a reply with another is the server's
+            failure. None: only negative ids are refused (a tokenizer's length is not the
+            bound: a model's padded rows can be sampled).
         lora_sync: How a LoRA policy is synced: ``"merged"`` (the whole model, adapters
             merged in) or ``"adapters"`` (the adapters only; the servers must be started
             with LoRA, as ``VLLMServerProcess(max_lora_rank=R)`` starts them).
@@ -97,8 +101,10 @@ class VLLMServerBackend(LocalChatBackend):
         lora_sync: LoRASync = "merged",
         weight_transfer: WeightTransfer = "files",
         transfer_host: str = "127.0.0.1",
+        vocab_size: int | None = None,
     ) -> None:
         self._pool = ServerPool(urls, routing=routing, timeout_s=timeout_s)
+        self._vocab_size = vocab_size
         self._sync = WeightSync(
             self._pool,
             weights_dir=weights_dir,
@@ -227,7 +233,11 @@ class VLLMServerBackend(LocalChatBackend):
         model = self._sync.adapter or await self._served_model()
         body = completion_body(model, prompt, params, seed)
         reply, url = await self._pool.post_routed("/v1/completions", body)
-        return generation(reply, url)
+        try:
+            return generation(reply, url, self._vocab_size)
+        except GenerationServerError:
+            self._pool.mark_down(url)  # a wrong reply, as a failed one
+            raise
 
     async def _served_model(self) -> str:
         if self._model is not None:

@@ -27,10 +27,21 @@ if TYPE_CHECKING:
 
     from agile_llmenvs.transport.session_loop import SessionLoop
 
-__all__ = ["DOWN_FOR_S", "Routing", "Server", "ServerPool", "gather_errors", "session_loop"]
+__all__ = [
+    "DOWN_FOR_S",
+    "JSON_ROUTES",
+    "Routing",
+    "Server",
+    "ServerPool",
+    "gather_errors",
+    "session_loop",
+]
 
 Routing = Literal["least_loaded", "round_robin"]
 DOWN_FOR_S = 5.0  # how long a failed server gets no requests before it is tried again
+#: The routes vLLM answers with JSON: a 200 there with another body (an HTML page from a proxy,
+#: say) is a failure of the server, not a success.
+JSON_ROUTES = ("/v1/completions", "/collective_rpc")
 
 _T = TypeVar("_T")
 
@@ -134,6 +145,13 @@ class ServerPool:
             )
         return self._session
 
+    def mark_down(self, url: str) -> None:
+        """Send the server at ``url`` no requests for :data:`DOWN_FOR_S` (its reply was
+        wrong)."""
+        for server in self.servers:
+            if server.url == url:
+                server.down_until = time.monotonic() + DOWN_FOR_S
+
     async def post_routed(self, path: str, body: dict[str, Any]) -> tuple[Any, str]:
         """POST ``body`` to the server routing picks, counted in flight meanwhile; its JSON
         reply and its URL."""
@@ -161,9 +179,17 @@ class ServerPool:
                         url=server.url,
                         status_code=response.status,
                     )
-                if response.content_length == 0 or response.content_type != "application/json":
-                    return None
-                return await response.json()
+                if response.content_type == "application/json":
+                    return await response.json()
+                if path.split("?")[0] in JSON_ROUTES:
+                    detail = (await response.text())[:200]
+                    raise ValueError(f"a {response.content_type!r} body, not JSON: {detail!r}")
+                return None  # vLLM answers some routes with an empty or a text body
+        except ValueError as exc:  # what vLLM answers there is JSON: this is no vLLM reply
+            server.down_until = time.monotonic() + DOWN_FOR_S
+            raise GenerationServerError(
+                f"{url} answered {exc} (is it a vLLM server, and is it well?)", url=server.url
+            ) from exc
         except TimeoutError as exc:
             server.down_until = time.monotonic() + DOWN_FOR_S
             raise GenerationTimeoutError(

@@ -48,11 +48,12 @@ def completion_body(
     return body
 
 
-def generation(reply: Any, url: str) -> Generation:
+def generation(reply: Any, url: str, vocab_size: int | None = None) -> Generation:
     """A :class:`Generation` from a ``/v1/completions`` reply of the server at ``url``.
 
     Raises:
-        GenerationServerError: The reply lacks token ids or log-probs, or their counts differ.
+        GenerationServerError: The reply lacks token ids or log-probs, their counts differ,
+            or an id is outside ``[0, vocab_size)`` (negative, whatever the size).
     """
     try:
         choice = reply["choices"][0]
@@ -69,6 +70,13 @@ def generation(reply: Any, url: str) -> Generation:
     if len(values) != len(ids):
         raise GenerationServerError(
             f"{url} sent {len(ids)} token ids but {len(values)} log-probs", url=url
+        )
+    outside = [i for i in ids if i < 0 or (vocab_size is not None and i >= vocab_size)]
+    if outside:
+        raise GenerationServerError(
+            f"{url} sent token id {outside[0]}, outside the vocabulary (0 to "
+            f"{'...' if vocab_size is None else vocab_size - 1}): is it serving this model?",
+            url=url,
         )
     reason: FinishReason = "stop" if choice.get("finish_reason") == "stop" else "length"
     return Generation(ids, values, text, reason)

@@ -208,8 +208,11 @@ class ServerRollouts:
             step += 1
 
 
-def server_backend(spec: VLLMServerSpec, tokenizer: Any, output_dir: Path) -> Any:
-    """The run's :class:`~agile_llmenvs.backends.VLLMServerBackend` over ``spec``'s servers."""
+def server_backend(
+    spec: VLLMServerSpec, tokenizer: Any, output_dir: Path, vocab_size: int | None = None
+) -> Any:
+    """The run's :class:`~agile_llmenvs.backends.VLLMServerBackend` over ``spec``'s servers;
+    ``vocab_size``: the policy's embedding rows, the ids a reply may hold."""
     from agile_llmenvs.backends.vllm_server import VLLMServerBackend
 
     weights_dir = Path(spec.weights_dir) if spec.weights_dir else output_dir / "weights-sync"
@@ -223,4 +226,5 @@ def server_backend(spec: VLLMServerSpec, tokenizer: Any, output_dir: Path) -> An
         lora_sync=spec.lora_sync,
         weight_transfer=spec.weight_transfer,
         transfer_host=spec.transfer_host,
+        vocab_size=vocab_size,
     )

@@ -148,7 +148,10 @@ def setup_run(settings: RunSettings, resume: bool) -> GRPORun:
         if engine is not None:
             engine.load_weights(policy)  # the checkpoint's, or the adapters merged in
         if settings.generation.backend == "vllm_server":
-            server = _server_rollouts(settings, tokenizer, collector, start_step, accelerator)
+            rows = int(policy.get_input_embeddings().num_embeddings)
+            server = _server_rollouts(
+                settings, tokenizer, collector, start_step, accelerator, vocab_size=rows
+            )
             server.sync(policy, version=start_step)  # the checkpoint's, or the adapters merged in
         held_out = HeldOutEval.build(settings.held_out, envs, accelerator)
     except BaseException:
@@ -192,13 +195,15 @@ def _server_rollouts(
     collector: RolloutCollector,
     start_step: int,
     accelerator: Any,
+    *,
+    vocab_size: int,
 ) -> ServerRollouts:
     """This process's producer of rounds from the manifest's servers (``generation_backend:
     vllm_server``); it starts with the first weight sync. Every training process sends its
     own share of the requests, and all of them take part in each weight sync."""
     generation = settings.generation
     assert generation.server is not None  # the training spec's validator asks for it
-    backend = server_backend(generation.server, tokenizer, settings.output_dir)
+    backend = server_backend(generation.server, tokenizer, settings.output_dir, vocab_size)
     seed, rank = settings.seed, accelerator.process_index
     try:
         return ServerRollouts(

@@ -51,6 +51,7 @@ __all__ = [
     "AsyncEnvCalls",
     "EnvCall",
     "EnvTurn",
+    "cut_observation",
     "drive",
 ]
 
@@ -334,9 +335,10 @@ class ActionPlayer:
         in_order = all(m["role"] == "tool" for m in messages[: len(tools)])
         if not tools or not in_order or self.framer.observation_role("tool") != "tool":
             return None
-        shown = [{"role": "tool", "content": text} for text in tools]
+        limit = self.config.max_observation_bytes
+        shown = [{"role": "tool", "content": cut_observation(text, limit)} for text in tools]
         if users:
-            shown.append({"role": "user", "content": "\n\n".join(users)})
+            shown.append({"role": "user", "content": cut_observation("\n\n".join(users), limit)})
         return shown
 
     def _invalid(self, reason: str) -> ActionOutcome:
@@ -347,6 +349,18 @@ class ActionPlayer:
             {"invalid_action": reason},
             [{"role": "user", "content": feedback}],
         )
+
+
+def cut_observation(text: str, limit: int | None) -> str:
+    """``text`` cut to its first ``limit`` bytes of UTF-8 (at a character's end), a note of
+    its size appended; as it is when it fits or ``limit`` is None."""
+    if limit is None or len(text) <= limit // 4:  # a character is at most 4 bytes
+        return text
+    data = text.encode("utf-8", errors="surrogatepass")
+    if len(data) <= limit:
+        return text
+    kept = data[:limit].decode("utf-8", errors="ignore")
+    return f"{kept}\n[observation cut: {len(data):,} bytes, max_observation_bytes {limit:,}]"
 
 
 def _policy_errors(field_errors: Sequence[Mapping[str, Any]], text_field: str | None) -> bool:

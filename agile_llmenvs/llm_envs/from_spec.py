@@ -45,6 +45,7 @@ def spec_settings(spec: LLMEnvSpec) -> dict[str, Any]:
         "strict_chat_template_boundary": spec.strict_chat_template_boundary,
         "apply_chat_template": spec.apply_chat_template,
         "chat_template_kwargs": spec.chat_template_kwargs or None,
+        "max_observation_bytes": spec.max_observation_bytes,
         "segment_prompt_tokens": spec.segment_prompt_tokens,
         "segment_max_images": spec.segment_max_images,
         "image_field": spec.image_field,

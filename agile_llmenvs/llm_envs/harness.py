@@ -29,6 +29,7 @@ from agile_llmenvs.llm_envs.actions import (
     AsyncEnvCalls,
     EnvCall,
     EnvTurn,
+    cut_observation,
     drive,
 )
 from agile_llmenvs.llm_envs.episode_state import EpisodeState
@@ -436,17 +437,20 @@ class RolloutHarness:
             return []
 
     def _observation_text(self, reply: EnvReply) -> str:
+        """The text the policy reads of ``reply``, cut at ``max_observation_bytes``."""
         config = self.config
         if config.observation_processor is not None:
-            return str(config.observation_processor(reply.observation))
-        if config.observation_field is not None:
+            text = str(config.observation_processor(reply.observation))
+        elif config.observation_field is not None:
             if config.observation_field not in reply.observation:
                 raise KeyError(
                     f"observation_field {config.observation_field!r} is not in the "
                     f"observation; it has {sorted(reply.observation)}"
                 )
-            return str(reply.observation[config.observation_field])
-        return reply.prompt
+            text = str(reply.observation[config.observation_field])
+        else:
+            text = reply.prompt
+        return cut_observation(text, config.max_observation_bytes)
 
     def _system(self) -> list[dict[str, Any]]:
         prompt = self._require_episode().system_prompt

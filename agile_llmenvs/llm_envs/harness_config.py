@@ -62,6 +62,8 @@ class HarnessConfig:
             the context (a new sample) from a prompt showing that turn's images only; an
             observation with more images than this fails its episode.
         restart_keep_turns: Latest turns kept verbatim in a restarted context.
+        max_observation_bytes: Most bytes (UTF-8) of an observation's text tokenized: a
+            longer one is cut there and a note of its size appended (None: no cap).
         action_error_field: Observation (or info) field where the env reports an invalid
             action; its value is recorded in ``info["action_error"]``.
         malformed_tool_call_reward: Reward of a turn whose tool call could not be parsed.
@@ -93,12 +95,19 @@ class HarnessConfig:
     vision_processor: Any = None
     image_field: str | None = None
     restart_keep_turns: int = 0
+    max_observation_bytes: int | None = 1_000_000
     action_error_field: str = ""
     malformed_tool_call_reward: float = 0.0
     invalid_action_reward: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_model_len", "segment_prompt_tokens", "segment_max_images"):
+        for name in (
+            "max_turns",
+            "max_model_len",
+            "segment_prompt_tokens",
+            "segment_max_images",
+            "max_observation_bytes",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")

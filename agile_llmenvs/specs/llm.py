@@ -113,6 +113,13 @@ class LLMEnvSpec(BaseModel):
         "env that advertises none (OpenEnv's `State` has no `max_turns`) fails the build with "
         "an error naming `env.max_turns`: set it."
     )
+    max_observation_bytes: PositiveInt = Field(
+        1_000_000,
+        description="Most bytes (UTF-8) of one observation's text the harness tokenizes; a "
+        "longer one is cut there, a note of its size appended, before it is tokenized (a 60 MB "
+        "observation would take minutes and gigabytes to tokenize, only to overflow the "
+        "context).",
+    )
     segment_prompt_tokens: PositiveInt = _d(
         "Bound on every prompt the policy sees: a longer context restarts as a new training "
         "segment from a prompt fitted within it."

@@ -159,7 +159,12 @@ class AsgiApp:
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         headers = _headers(scope)
         limit = self.host.settings.max_message_bytes
-        body, refused = await _read_body(receive, headers, limit)
+        body: bytes | None = b""
+        refused: HttpResponse | None = _FORBIDDEN  # at the headers: the body is never read
+        if path.rstrip("/") == "/health" or self.host.authorized(
+            headers.get("authorization", ""), query
+        ):
+            body, refused = await _read_body(receive, headers, limit)
         if body is None:  # the client left before its request was in
             return
         try:

@@ -23,6 +23,7 @@ from websockets.asyncio.server import ServerConnection
 
 __all__ = [
     "SERVER_ERROR",
+    "HttpGate",
     "HttpRequest",
     "HttpResponse",
     "RoutingConnection",
@@ -80,6 +81,8 @@ class HttpResponse:
 SERVER_ERROR = HttpResponse(500, "Internal Server Error", text=True)
 
 HttpHandler = Callable[[HttpRequest], Awaitable[HttpResponse]]
+HttpGate = Callable[[str, dict[str, str], dict[str, list[str]]], "HttpResponse | None"]
+"""Sees a request's path, lower-cased headers and query before its body; a reply refuses it."""
 
 
 class _Detached:
@@ -108,6 +111,7 @@ class RoutingConnection(ServerConnection):
 
     answer: HttpHandler
     max_body_bytes: int
+    gate: HttpGate | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -170,6 +174,11 @@ class RoutingConnection(ServerConnection):
             length = int(headers.get("content-length", "0"))
         except ValueError:
             return HttpResponse(400, {"detail": "Bad Content-Length"})
+        target = urlsplit(parts[1])
+        query = parse_qs(target.query)
+        refused = self.gate(target.path, headers, query) if self.gate is not None else None
+        if refused is not None:  # at the headers: the body is never read, let alone held
+            return refused
         if length > self.max_body_bytes:
             return HttpResponse(
                 413, {"detail": f"Body of {length} bytes exceeds {self.max_body_bytes}"}
@@ -180,8 +189,7 @@ class RoutingConnection(ServerConnection):
                 self._continued = True  # curl waits for this before it sends a large body
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             return None
-        target = urlsplit(parts[1])
-        return HttpRequest(parts[0], target.path, parse_qs(target.query), headers, body[:length])
+        return HttpRequest(parts[0], target.path, query, headers, body[:length])
 
     async def _reply(
         self, transport: asyncio.Transport, request: HttpRequest | HttpResponse
@@ -212,10 +220,18 @@ def _is_plain_get(head: bytes) -> bool:
     return b"\ncontent-length:" not in lowered and b"\ntransfer-encoding:" not in lowered
 
 
-def routing_connection(answer: HttpHandler, max_body_bytes: int) -> type[ServerConnection]:
-    """A :class:`RoutingConnection` class whose plain HTTP requests go to ``answer``."""
+def routing_connection(
+    answer: HttpHandler, max_body_bytes: int, gate: HttpGate | None = None
+) -> type[ServerConnection]:
+    """A :class:`RoutingConnection` class whose plain HTTP requests go to ``answer``;
+    ``gate`` sees each request's path, headers and query once its head is in, and refuses it
+    there (before its body is read) by returning the reply."""
     return type(
         "EnvServerConnection",
         (RoutingConnection,),
-        {"answer": staticmethod(answer), "max_body_bytes": max_body_bytes},
+        {
+            "answer": staticmethod(answer),
+            "max_body_bytes": max_body_bytes,
+            "gate": staticmethod(gate) if gate is not None else None,
+        },
     )

@@ -185,7 +185,9 @@ class OpenEnvServer:
             max_size=4 * settings.max_message_bytes,
             close_timeout=2.0,
             create_connection=routing_connection(
-                self.host_sessions.answer_http, settings.max_message_bytes
+                self.host_sessions.answer_http,
+                settings.max_message_bytes,
+                self.host_sessions.gate,
             ),
         ):
             self._started.set()

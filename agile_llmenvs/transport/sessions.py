@@ -111,6 +111,17 @@ class SessionHost:
             return await self.routes.get(request.path.rstrip("/"))
         return await self.routes.post(request)
 
+    def gate(
+        self, path: str, headers: dict[str, str], query: dict[str, list[str]]
+    ) -> HttpResponse | None:
+        """Refuse a plain HTTP request at its headers when its token is missing or wrong
+        (``/health`` is open): its body is then never read."""
+        if path.rstrip("/") == "/health" or self.authorized(
+            headers.get("authorization", ""), query
+        ):
+            return None
+        return _FORBIDDEN
+
     def authorized(self, authorization: str, query: dict[str, list[str]]) -> bool:
         """Whether a request may pass: no token is set, or it presents the token (an
         ``Authorization: Bearer`` header, else a ``token`` query parameter)."""

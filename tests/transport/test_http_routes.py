@@ -166,3 +166,33 @@ def test_an_unused_mcp_session_is_reaped_after_the_idle_timeout() -> None:
         again = httpx.post(server.url + "/mcp", json=rpc("openenv/session/create", 2)).json()
         assert "session_id" in again["result"]  # the idle one was ended to make room
         assert server.active_sessions == 1
+
+
+@pytest.mark.parametrize("front", ["server", "asgi"])
+def test_a_body_with_a_wrong_token_is_refused_at_its_headers(front: str) -> None:
+    """The head says 8 MiB are coming and carries a wrong token: the reply comes before a
+    byte of the body is sent (it used to be read whole first: 150 such bodies held 1.2 GB)."""
+    from serving import UvicornApp
+
+    from agile_llmenvs.transport import create_asgi_app
+
+    head = (
+        b"POST /reset HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 8388608\r\n\r\n"
+    )
+    if front == "server":
+        served: Any = OpenEnvServer(make_env=EchoEnvironment, token="s3cret")
+    else:
+        served = UvicornApp(create_asgi_app(make_env=EchoEnvironment, token="s3cret"))
+    with served:
+        host, port = served.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(head)  # and no body
+            reply = sock.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 403")
+        assert b'"missing or wrong token"' in reply
+        # the right token's body is still read and answered
+        right = httpx.post(
+            served.url + "/reset", json={}, headers={"Authorization": "Bearer s3cret"}
+        )
+        assert right.status_code == 200

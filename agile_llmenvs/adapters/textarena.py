@@ -41,6 +41,9 @@ Opponent = Callable[[str], str]
 DEFAULT_OPPONENT_SAMPLING: dict[str, Any] = {"max_tokens": 64, "temperature": 0.0}
 """A model opponent's sampling unless its config's ``sampling`` says otherwise: greedy."""
 
+DEFAULT_MAX_ACTION_CHARS = 2000
+"""The most characters of a policy's reply a game parses (its last ones)."""
+
 DEFAULT_MAX_TURNS = 100
 """The turn budget of a game that declares no turn limit (TicTacToe ends on its own)."""
 
@@ -145,6 +148,10 @@ class TextArenaEnv:
             limit before counting the turn, doubled because each turn forgives one invalid
             move; :data:`DEFAULT_MAX_TURNS` when the game declares no limit.
         num_players: The game's players (the policy and its opponents).
+        max_action_chars: The most characters of a reply the game parses: a longer one is
+            cut to its last ``max_action_chars`` (where a reasoning reply writes its move).
+            Games parse moves with regular expressions that backtrack: ConnectFour took 19 s
+            on a 32,000-character ``[[[...`` reply, 77 s on 64,000.
     """
 
     def __init__(
@@ -155,7 +162,11 @@ class TextArenaEnv:
         player_id: int = 0,
         opponent: Opponent | None = None,
         max_turns: int | None = None,
+        max_action_chars: int = DEFAULT_MAX_ACTION_CHARS,
     ) -> None:
+        if max_action_chars < 1:
+            raise EnvBuildError(f"max_action_chars must be at least 1, got {max_action_chars}")
+        self.max_action_chars = max_action_chars
         self.game = game
         self.num_players = num_players
         self.player_id = player_id
@@ -197,7 +208,7 @@ class TextArenaEnv:
         if self._done:
             raise RuntimeError("step() before reset() or after the game ended")
         with self._own_random():
-            self.game.step(action=action)
+            self.game.step(action=action[-self.max_action_chars :])
         opponent_moves = self._play_opponents()
         observation, reward, done, info = self._turn_result()
         info["opponent_moves"] = opponent_moves
@@ -272,6 +283,7 @@ def make(
     player_id: int = 0,
     num_players: int | None = None,
     max_turns: int | None = None,
+    max_action_chars: int = DEFAULT_MAX_ACTION_CHARS,
     **kwargs: Any,
 ) -> TextArenaEnv:
     """Build TextArena game ``env_id`` (``GuessTheNumber-v0``; a ``-raw``/``-train`` suffix is
@@ -289,6 +301,8 @@ def make(
         player_id: The seat the policy plays.
         num_players: Players in the game; default the fewest it accepts (1, else 2).
         max_turns: Override the turn budget derived from the game.
+        max_action_chars: The most characters of a reply the game parses (its last ones;
+            see :class:`TextArenaEnv`).
         **kwargs: The game's own constructor arguments (``max_turns`` of the game is
             ``game_max_turns`` here, to keep it apart from the env's budget).
 
@@ -325,6 +339,7 @@ def make(
             player_id=player_id,
             opponent=_opponent(opponent),
             max_turns=max_turns,
+            max_action_chars=max_action_chars,
         )
     except EnvBuildError:
         raise

@@ -321,3 +321,25 @@ def test_a_backend_object_plays_the_opponent() -> None:
     assert [m["role"] for m in messages] == ["user"]
     assert params == SamplingParams(max_tokens=64, temperature=0.0)
     assert "[Player 1] [8]" in observation
+
+
+def test_a_reply_longer_than_max_action_chars_reaches_the_game_cut_to_its_end() -> None:
+    """ConnectFour's move pattern backtracks: a 32,000-character ``[[[...`` reply froze the
+    process for 19 s. The game now parses the reply's last 2,000 characters, where a
+    reasoning reply writes its move."""
+    env = make("ConnectFour-v0")
+    parsed: list[str] = []
+    real = env.game.step
+
+    def step(action: str) -> Any:
+        parsed.append(action)
+        return real(action=action)
+
+    env.game.step = step  # type: ignore[method-assign]
+    env.reset(seed=0)
+    reply = "[" * 32_000 + " my move: [col 3]"
+    env.step(reply)
+    assert parsed[0] == reply[-2000:]
+    assert parsed[0].endswith("[col 3]")
+    assert env.max_action_chars == 2000
+    assert make("ConnectFour-v0", max_action_chars=50).max_action_chars == 50

@@ -88,26 +88,41 @@ class McpSessions:
         ``websockets``): a session of its own (as ``openenv/session/create`` makes) for the
         connection's life, each text message a JSON-RPC request answered by ``answer``.
 
-        Full capacity or a failing env factory is answered with the JSON-RPC error
-        ``create`` gives, and the connection ends. A message over ``max_message_bytes`` is
-        answered ``INVALID_REQUEST`` without being parsed, and the session goes on. A
-        connection idle (no message, no call running) for ``session_idle_timeout_s`` is
-        closed (code 1001), its slot freed.
+        Full capacity (told on connecting) or a failing env factory is answered with the
+        JSON-RPC error ``create`` gives, and the connection ends. A message over
+        ``max_message_bytes`` is answered ``INVALID_REQUEST`` without being parsed, and the
+        session goes on. The
+        session (and its env, and its slot) is made at the first message: a connection that
+        sends none within ``first_message_timeout_s`` is closed (code 1008) having held
+        nothing, as ``/ws`` closes one. A connection idle (no message, no call running) for
+        ``session_idle_timeout_s`` is closed (code 1001), its slot freed.
         """
+        settings, pool = self.pool.settings, self.pool
+        if pool.full():  # told at once, as before any message, when no slot is left
+            await pool.reap_idle()
+            if pool.full():
+                await ws.send(json.dumps(await self.create(None)))
+                return
+        try:
+            message = await asyncio.wait_for(ws.recv(), settings.first_message_timeout_s)
+        except TimeoutError:
+            await ws.close(1008, "no message within first_message_timeout_s")
+            return
         created = await self.create(None)
         if "error" in created:
             await ws.send(json.dumps(created))
             return
         session_id = created["result"]["session_id"]
         session = self.pool.attach(session_id)
-        idle = self.pool.settings.session_idle_timeout_s
-        limit = self.pool.settings.max_message_bytes
+        idle = settings.session_idle_timeout_s
+        limit = settings.max_message_bytes
         loop = asyncio.get_running_loop()
         clock = IdleClock(loop.time())
         watchdog = None if idle is None else asyncio.create_task(close_when_idle(ws, clock, idle))
         try:
             while True:
-                message = await ws.recv()
+                if message is None:
+                    message = await ws.recv()
                 clock.busy = True
                 reply: Any
                 if len(message) > limit:  # answered unread, as /ws answers MESSAGE_TOO_LARGE
@@ -118,6 +133,7 @@ class McpSessions:
                 else:
                     reply = await self._answer_text(message, answer, session.env, session_id)
                 await ws.send(json.dumps(reply))
+                message = None
                 clock.busy = False
                 clock.last = loop.time()
         finally:

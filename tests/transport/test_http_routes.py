@@ -196,3 +196,54 @@ def test_a_body_with_a_wrong_token_is_refused_at_its_headers(front: str) -> None
             served.url + "/reset", json={}, headers={"Authorization": "Bearer s3cret"}
         )
         assert right.status_code == 200
+
+
+@pytest.mark.parametrize("front", ["server", "asgi"])
+def test_silent_mcp_sockets_are_closed_at_the_first_message_timeout_holding_nothing(
+    front: str,
+) -> None:
+    """Two /mcp WebSockets that never send a message, on a server of two slots: they used to
+    hold both (an env built for each) until the 1,800 s idle timeout, and a new /ws got 1013.
+    Now a session is made at the first message: they are closed at first_message_timeout_s,
+    as silent /ws connections are, and hold no slot meanwhile."""
+    from serving import UvicornApp
+    from websockets.exceptions import ConnectionClosed
+
+    from agile_llmenvs.transport import create_asgi_app
+
+    settings = ServerSettings(first_message_timeout_s=0.5)
+    made: list[int] = []
+
+    def make_env() -> Any:
+        made.append(1)
+        return make_tools_environment()
+
+    arguments: dict[str, Any] = {
+        "make_env": make_env,
+        "action_cls": CallToolAction,
+        "observation_cls": CallToolObservation,
+        "max_concurrent_envs": 2,
+        "settings": settings,
+    }
+    served: Any = (
+        OpenEnvServer(**arguments)
+        if front == "server"
+        else UvicornApp(create_asgi_app(**arguments))
+    )
+    with served:
+        base = served.url.replace("http://", "ws://")
+        silent = [connect(base + "/mcp"), connect(base + "/mcp")]
+        time.sleep(0.2)
+        assert made == []  # nothing built for a connection that said nothing
+        for ws in silent:
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=5)
+            assert closed.value.rcvd is not None
+            assert closed.value.rcvd.code == 1008
+        with connect(base + "/ws") as ws:  # both slots are free
+            ws.send(json.dumps({"type": "reset", "data": {}}))
+            # (the process's first tools env imports its MCP server: seconds)
+            assert json.loads(ws.recv(timeout=60))["type"] == "observation"
+        with connect(base + "/mcp") as ws:  # one that speaks gets its session
+            ws.send(json.dumps(rpc("tools/list")))
+            assert "tools" in json.loads(ws.recv(timeout=60))["result"]

@@ -51,6 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ManifestError(f"--port: expected 0..65535 (0: any free port), got {args.port}")
+    args.token = _serve_token(args.token, args.token_file)
     working_dir = None
     if not _is_manifest(args.entrypoint) and os.getcwd() not in sys.path:
         # as uvicorn does: an entrypoint's module may sit in the working directory, which a
@@ -106,6 +107,37 @@ def _serve_env(args: argparse.Namespace) -> int:
     return status
 
 
+#: The environment variable ``serve`` reads its token from when no option gives one.
+TOKEN_ENV = "AGILE_LLMENVS_TOKEN"
+
+
+def _serve_token(token: str | None, token_file: Path | None) -> str | None:
+    """The token ``serve`` guards its env with: ``--token`` (which ``ps`` shows to every user
+    of the machine), else ``--token-file`` (its first line), else ``$AGILE_LLMENVS_TOKEN``.
+
+    Raises:
+        ManifestError: both options, an unreadable or empty file, or an empty variable.
+    """
+    import os
+
+    if token is not None and token_file is not None:
+        raise ManifestError("--token and --token-file: give the token one way")
+    if token_file is not None:
+        try:
+            lines = token_file.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise ManifestError(f"--token-file: cannot read {token_file}: {exc}") from exc
+        token = lines[0].strip() if lines else ""
+        if not token:
+            raise ManifestError(f"--token-file: {token_file} is empty; write the token in it")
+        return token
+    if token is None and TOKEN_ENV in os.environ:
+        token = os.environ[TOKEN_ENV].strip()
+        if not token:
+            raise ManifestError(f"${TOKEN_ENV} is set but empty: set the token, or unset it")
+    return token
+
+
 def _exposure_warning(host: str, token: str | None) -> str | None:
     """The warning for a server any host on the network can use, or None."""
     import ipaddress
@@ -120,8 +152,8 @@ def _exposure_warning(host: str, token: str | None) -> str | None:
         return None
     return (
         f"warning: serving on {host} without --token: anyone who can reach this port can run "
-        "and exhaust its envs; pass --token SECRET (clients send it as a Bearer token), or "
-        "bind 127.0.0.1"
+        f"and exhaust its envs; pass --token-file FILE or set ${TOKEN_ENV} (clients send it "
+        "as a Bearer token), or bind 127.0.0.1"
     )
 
 
@@ -284,7 +316,16 @@ def _register_serve(commands: argparse._SubParsersAction) -> None:
         "--port", type=int, default=8000, help="port to listen on (default: 8000; 0: any free one)"
     )
     serve.add_argument("--advertise-host", help="host clients should dial, if not --host")
-    serve.add_argument("--token", help="shared secret clients must present (Authorization: Bearer)")
+    serve.add_argument(
+        "--token",
+        help="shared secret clients must present (Authorization: Bearer); visible in `ps`: "
+        f"prefer --token-file or ${TOKEN_ENV}",
+    )
+    serve.add_argument(
+        "--token-file",
+        type=Path,
+        help=f"file whose first line is the token (default: ${TOKEN_ENV}, if set)",
+    )
     serve.add_argument(
         "--mode",
         choices=("simulation", "production"),

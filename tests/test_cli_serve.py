@@ -287,11 +287,66 @@ def test_serve_warns_when_it_listens_beyond_loopback_without_a_token(
     assert main(args) == 1  # the stand-in stops serving at once
     warning = (
         f"warning: serving on {host} without --token: anyone who can reach this port can run "
-        "and exhaust its envs; pass --token SECRET (clients send it as a Bearer token), or "
-        "bind 127.0.0.1\n"
+        "and exhaust its envs; pass --token-file FILE or set $AGILE_LLMENVS_TOKEN (clients "
+        "send it as a Bearer token), or bind 127.0.0.1\n"
     )
     assert (warning in capsys.readouterr().err) is warned
     assert _RecordedServer.built["max_concurrent_envs"] == 8  # one GRPO group of 8
+
+
+@pytest.mark.parametrize(
+    ("given", "token"),
+    [("option", "from-option"), ("file", "from-file"), ("variable", "from-variable")],
+)
+def test_serve_takes_its_token_from_a_file_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, given: str, token: str
+) -> None:
+    """`--token` shows in `ps` to every user of the machine; a file or a variable does not."""
+    import agile_llmenvs.transport.server
+
+    monkeypatch.setattr(agile_llmenvs.transport.server, "OpenEnvServer", _RecordedServer)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    (tmp_path / "token").write_text("from-file\n")
+    monkeypatch.setenv("AGILE_LLMENVS_TOKEN", "from-variable")
+    extra = {
+        "option": ["--token", "from-option"],
+        "file": ["--token-file", str(tmp_path / "token")],
+        "variable": [],
+    }[given]
+    assert main(["serve", "echo_envs:EchoEnv", *extra]) == 1  # the stand-in stops at once
+    assert _RecordedServer.built["token"] == token
+
+
+@pytest.mark.parametrize(
+    ("args", "variable", "message"),
+    [
+        (
+            ["--token", "a", "--token-file", "t"],
+            None,
+            "--token and --token-file: give the token one way",
+        ),
+        (["--token-file", "empty"], None, "is empty; write the token in it"),
+        (["--token-file", "missing"], None, "--token-file: cannot read"),
+        ([], "  ", "$AGILE_LLMENVS_TOKEN is set but empty"),
+    ],
+)
+def test_a_token_given_wrong_is_refused_naming_how(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    args: list[str],
+    variable: str | None,
+    message: str,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").write_text("")
+    (tmp_path / "t").write_text("x\n")
+    if variable is not None:
+        monkeypatch.setenv("AGILE_LLMENVS_TOKEN", variable)
+    else:
+        monkeypatch.delenv("AGILE_LLMENVS_TOKEN", raising=False)
+    assert main(["serve", "echo_envs:EchoEnv", *args]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_serve_passes_the_mode_and_refuses_an_unknown_one(

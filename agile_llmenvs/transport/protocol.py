@@ -110,9 +110,16 @@ def strict_json_loads(raw: str | bytes) -> Any:
 
     Raises:
         json.JSONDecodeError: ``raw`` is not JSON.
-        ValueError: ``raw`` holds one of those constants (the message names it).
+        ValueError: ``raw`` holds one of those constants (the message names it), or nests
+            deeper than the parser can recurse (a first message of 200,000 ``[`` used to
+            escape every handler as a ``RecursionError``).
     """
-    return _STRICT_JSON.decode(raw.decode() if isinstance(raw, bytes) else raw)
+    try:
+        return _STRICT_JSON.decode(raw.decode() if isinstance(raw, bytes) else raw)
+    except RecursionError:
+        raise ValueError(
+            "nested deeper than the parser can follow (Python's recursion limit)"
+        ) from None
 
 
 def _dump_reply(frame: dict[str, Any], prefix: tuple[str, ...] = ()) -> str:

@@ -17,6 +17,7 @@ from agile_llmenvs.transport import OpenEnvServer, ServerSettings
 from agile_llmenvs.transport._openenv import CallToolAction, CallToolObservation
 
 httpx = pytest.importorskip("httpx")
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 def rpc(method: str, rid: int = 1, **params: Any) -> dict[str, Any]:
@@ -247,3 +248,22 @@ def test_silent_mcp_sockets_are_closed_at_the_first_message_timeout_holding_noth
         with connect(base + "/mcp") as ws:  # one that speaks gets its session
             ws.send(json.dumps(rpc("tools/list")))
             assert "tools" in json.loads(ws.recv(timeout=60))["result"]
+
+
+def test_json_nested_deeper_than_the_parser_follows_is_answered_as_invalid_json() -> None:
+    """200,000 ``[``: the parser's RecursionError used to escape every handler, closing the
+    connection (1011) with no reply. Now it is invalid JSON, answered, and the session goes
+    on."""
+    deep = "[" * 200_000
+    with OpenEnvServer(make_env=EchoEnvironment) as server:
+        with connect(server.url.replace("http://", "ws://") + "/ws") as ws:
+            ws.send(deep)
+            error = json.loads(ws.recv(timeout=10))
+            assert error["data"]["code"] == "INVALID_JSON"
+            assert error["data"]["message"] == (
+                "Invalid JSON: nested deeper than the parser can follow (Python's recursion limit)"
+            )
+            ws.send(json.dumps({"type": "reset", "data": {}}))
+            assert json.loads(ws.recv(timeout=10))["type"] == "observation"
+        parse = httpx.post(server.url + "/mcp", content=deep, headers=JSON_HEADERS).json()
+        assert parse["error"]["code"] == -32700

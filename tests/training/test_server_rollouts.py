@@ -44,7 +44,12 @@ class _Collector:
         return {"rounds": self.rounds}
 
     def collect_continuous(
-        self, backend: _Backend, params: SamplingParams, *, dynamic_sampling: bool
+        self,
+        backend: _Backend,
+        params: SamplingParams,
+        *,
+        dynamic_sampling: bool,
+        turn_signal: Any = None,
     ) -> RolloutBatch:
         self.events.append(f"round{self.rounds}@v{backend.version}")
         self.seeds.append(params.seed)
@@ -138,6 +143,21 @@ def test_stale_groups_are_the_ones_with_a_member_older_than_allowed() -> None:
         0,
     )
     assert rollouts.stale_groups(batch, step=3) == [False, False, True, True]
+
+
+def test_a_member_that_failed_before_its_first_request_does_not_make_its_group_stale() -> None:
+    rollouts, _, _ = _rollouts(max_staleness=0)
+    fresh = EpisodeData([], [1.0], StopReason.TERMINATED, {})
+    failed = EpisodeData([], [0.0], StopReason.ENV_ERROR, {"error": "reset failed"})
+    members = [(fresh, 3), (fresh, 3), (failed, None), (fresh, 3), (fresh, 2), (failed, None)]
+    batch = RolloutBatch(
+        tuple(Trajectory(i // 3, i, Task(0, 0), e, v) for i, (e, v) in enumerate(members)),
+        3,
+        0,
+    )
+    # group 0: two fresh members and a failure with no version: trains on the two; group 1
+    # has a member one version old (max_staleness 0): stale
+    assert rollouts.stale_groups(batch, step=3) == [False, True]
 
 
 def test_a_round_that_raises_is_raised_to_the_trainer() -> None:

@@ -148,10 +148,17 @@ class ServerRollouts:
         return item, waited
 
     def stale_groups(self, batch: RolloutBatch, step: int) -> list[bool]:
-        """Per group: whether a member is older than ``max_staleness`` versions at ``step``."""
+        """Per group: whether a member that trains is older than ``max_staleness`` versions at
+        ``step`` (or has no version). A failed member trains on nothing and is left out: one
+        whose env failed before its first request has no version, and used to drop its
+        whole group."""
         oldest_allowed = step - self.max_staleness
         return [
-            any(t.policy_version is None or t.policy_version < oldest_allowed for t in group)
+            any(
+                t.policy_version is None or t.policy_version < oldest_allowed
+                for t in group
+                if not t.failed
+            )
             for group in batch.groups()
         ]
 

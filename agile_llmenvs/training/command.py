@@ -16,7 +16,7 @@ from agile_llmenvs.errors import AgileLLMEnvsError
 if TYPE_CHECKING:  # the command line imports this module; torch only when it trains
     from agile_llmenvs.training.run import RunSettings, TrainResult
 
-__all__ = ["evaluate_hint", "register", "run_train_command", "summary_line"]
+__all__ = ["evaluate_hint", "register", "run_train_command", "stop_status", "summary_line"]
 
 # The metric a run's summary averages over its last tenth of steps, and its label.
 _SUMMARY_METRIC = {"grpo": ("reward_mean", "mean reward"), "sft": ("loss", "mean loss")}
@@ -42,7 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_train_command(args: argparse.Namespace) -> int:
-    """Run ``train``; returns the exit status (2 on a manifest or setup error).
+    """Run ``train``; returns the exit status (2 on a manifest or setup error; 130 or 143 for
+    a run SIGINT or SIGTERM stopped, see :func:`stop_status`).
 
     An error of the run itself (a folder that holds a run, a resume that does not match)
     goes up to the command line, which prints it in one line and exits 2. Other libraries'
@@ -73,7 +74,19 @@ def run_train_command(args: argparse.Namespace) -> int:
         result = train(manifest, resume=args.resume, overwrite=args.overwrite)
     evaluate = None if result.stopped_by is not None else evaluate_hint(result, settings)
     print(summary_line(result, settings, args.manifest, time.monotonic() - started, evaluate))
-    return 0
+    return stop_status(result.stopped_by)
+
+
+def stop_status(stopped_by: str | None) -> int:
+    """``train``'s exit status: 0 for a run that reached ``max_steps``; for one a signal
+    stopped (checkpoint saved, ``--resume`` continues it), the shell's convention, 128 plus
+    the signal's number: 130 for SIGINT, 143 for SIGTERM, so that a scheduler or a script
+    does not take it for finished."""
+    import signal
+
+    if stopped_by is None:
+        return 0
+    return 128 + int(signal.Signals[stopped_by])
 
 
 def evaluate_hint(result: TrainResult, settings: RunSettings) -> str:

@@ -290,6 +290,25 @@ def test_no_build_and_no_files_skip_building_the_env(
     assert not (project / "closed.txt").exists()
 
 
+def test_a_misspelt_field_is_answered_with_the_nearest_at_its_place_top_level_too(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "typos.yaml").write_text(
+        "name: x\n"
+        "env: {env_type: rollout, entrypoint: 'a:B', max_turn: 3}\n"
+        "model: {pth: x}\n"
+        "trainig: {algorithm: grpo}\n"
+    )
+    done = _cli("validate", "typos.yaml", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "error typos.yaml: run manifest, 3 problem(s)",
+        "  env.max_turn: not a field here: did you mean 'max_turns'?",
+        "  model.pth: not a field here: did you mean 'path'?",
+        "  trainig: not a field here: did you mean 'training'?",
+    ]
+
+
 def test_an_eval_config_is_validated_as_one(tmp_path: Path) -> None:
     pytest.importorskip("reasoning_gym")
     (tmp_path / "eval.yaml").write_text(
@@ -312,7 +331,7 @@ def test_an_eval_config_is_validated_as_one(tmp_path: Path) -> None:
     ]
     assert done.stderr.splitlines() == [
         "error eval.yaml: eval config, 1 problem(s)",
-        "  environments.2.sizes: not a field here: remove it, or fix its spelling",
+        "  environments.2.sizes: not a field here: did you mean 'size'?",
         "error model.yaml: eval config, 2 problem(s)",
         "  environments.0.name: reasoning-gym has no dataset 'leg_countin'; did you mean "
         "'leg_counting'?",

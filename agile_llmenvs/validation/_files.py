@@ -184,12 +184,12 @@ def _read(path: Path) -> Any:
 
 
 def _validate_run_manifest(path: Path, check_files: bool, build: bool) -> Validation:
-    from agile_llmenvs.specs import load_manifest
+    from agile_llmenvs.specs import RunManifest, load_manifest
 
     try:
         manifest = load_manifest(path)
     except ValidationError as exc:
-        return Validation(path, "run manifest", problems=tuple(problems_of(exc)))
+        return Validation(path, "run manifest", problems=tuple(problems_of(exc, RunManifest)))
     summary = describe_manifest(manifest)
     if not check_files:
         return Validation(
@@ -215,7 +215,7 @@ def _validate_eval_config(path: Path, check_files: bool) -> Validation:
     try:
         config = EvalConfig.from_yaml(path)
     except ValidationError as exc:
-        return Validation(path, "eval config", problems=tuple(problems_of(exc)))
+        return Validation(path, "eval config", problems=tuple(problems_of(exc, EvalConfig)))
     names = ", ".join(environment.name for environment in config.environments)
     plural = "s" if len(config.environments) > 1 else ""
     summary = (

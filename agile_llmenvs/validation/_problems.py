@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import re
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -32,21 +35,26 @@ class Problem:
         return f"{self.field}: {self.message}"
 
 
-def problems_of(exc: ValidationError) -> list[Problem]:
+def problems_of(exc: ValidationError, model: type[BaseModel] | None = None) -> list[Problem]:
     """The problems of a pydantic validation error, each under the field path a user writes.
 
     The env section's kind is dropped from the path (``env.max_turns``, not
     ``env.rollout.max_turns``), and a cross-field rule's message that starts with its field
-    (``objective: belongs to ...``) is filed under that field.
+    (``objective: belongs to ...``) is filed under that field. Given the ``model`` validated,
+    a field it does not have is answered with the nearest one it has at that place
+    (``trainig`` -> ``training``), at the top level as below.
     """
     problems = []
     for error in exc.errors():
-        loc = [str(part) for part in error["loc"]]
+        raw = [str(part) for part in error["loc"]]
+        loc = list(raw)
         if len(loc) > 1 and loc[0] == "env" and loc[1] in _ENV_TAGS:
             del loc[1]
         message = error["msg"]
         if error["type"] == "extra_forbidden":
-            message = "not a field here: remove it, or fix its spelling"
+            close = difflib.get_close_matches(raw[-1], _fields_at(model, raw), n=1)
+            fix = f"did you mean {close[0]!r}?" if close else "remove it, or fix its spelling"
+            message = f"not a field here: {fix}"
         elif error["type"] == "value_error":
             message = message.removeprefix("Value error, ")
             named = FIELD_FIRST.match(message)
@@ -55,6 +63,42 @@ def problems_of(exc: ValidationError) -> list[Problem]:
                 message = named.group(2)
         problems.append(Problem(".".join(loc) or "(top level)", message))
     return problems
+
+
+def _fields_at(model: type[BaseModel] | None, loc: list[str]) -> list[str]:
+    """The field names the models at ``loc``'s parent have: followed from ``model`` through
+    fields, optional and union types, lists (an index) and tagged unions (the tag)."""
+    if model is None:
+        return []
+    candidates = [model]
+    for part in loc[:-1]:
+        inner = [
+            found
+            for candidate in candidates
+            if part in candidate.model_fields
+            for found in _models_in(candidate.model_fields[part].annotation)
+        ]
+        if inner:
+            candidates = inner
+        elif not part.isdigit():  # a union's tag (``rollout``): the members it names
+            candidates = [c for c in candidates if part in _literals(c)] or candidates
+    return sorted({name for candidate in candidates for name in candidate.model_fields})
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models inside ``annotation`` (``X | None``, unions, lists, Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for arg in typing.get_args(annotation) for model in _models_in(arg)]
+
+
+def _literals(model: type[BaseModel]) -> set[str]:
+    """The literal values a model's fields accept (a tagged union's tags among them)."""
+    values: set[str] = set()
+    for field in model.model_fields.values():
+        if typing.get_origin(field.annotation) is typing.Literal:
+            values.update(str(value) for value in typing.get_args(field.annotation))
+    return values
 
 
 class Found(list[Problem]):

@@ -99,6 +99,25 @@ def test_a_bug_in_the_env_is_printed_once_and_the_run_stops_at_the_threshold(
         (2, "env_error")
     ] * 8
     assert all(where in r["error"] for r in logged)
+    assert all(r["failed"] is True for r in logged)  # a failure, not a reward of 0
+    # no checkpoint was saved (save_every is 100): --resume would refuse, so it is not offered
+    assert stop[0].endswith(
+        "fix the env and train again (no checkpoint was saved: --overwrite starts over) "
+        "(--debug shows the traceback)"
+    )
+
+
+def test_the_stop_offers_resume_only_once_a_checkpoint_exists(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _manifest(tmp_path, tiny_model_dir, max_steps=6, max_failed_steps=2, save_every=1)
+    assert main(["train", str(path)]) == 2
+    stop = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert stop[0].endswith(
+        "fix the env and train again (--resume continues from the last checkpoint, "
+        "--overwrite starts over) (--debug shows the traceback)"
+    )
+    assert (tmp_path / "run" / "checkpoint-1").is_dir()
 
 
 def test_a_run_told_never_to_stop_trains_on_and_reports_each_kind_once(
@@ -111,7 +130,7 @@ def test_a_run_told_never_to_stop_trains_on_and_reports_each_kind_once(
         "env error at step 1 (8 of 8 episodes"
     )
     assert captured.err.count("env error") == 1
-    assert "failed 1" in captured.err  # the progress line's share of failed episodes
+    assert "failed 8/8" in captured.err  # the progress line's count, as the stop message's
     assert "trained 3 steps" in captured.out
 
 

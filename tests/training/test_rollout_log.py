@@ -25,7 +25,17 @@ from agile_llmenvs.specs import RunManifest, TrainingSpec
 from agile_llmenvs.training import train_grpo
 from agile_llmenvs.training.run import RolloutLog, episode_record, provenance
 
-RECORD_KEYS = ["step", "group", "slot", "task", "reward", "rewards", "stop_reason", "samples"]
+RECORD_KEYS = [
+    "step",
+    "group",
+    "slot",
+    "task",
+    "reward",
+    "rewards",
+    "stop_reason",
+    "failed",
+    "samples",
+]
 SAMPLE_KEYS = ["token_ids", "provenance", "turn_ids", "spans"]
 
 
@@ -63,6 +73,7 @@ def test_episode_record_pins_every_field() -> None:
         "reward": 0.75,
         "rewards": [0.25, 0.5],
         "stop_reason": "max_turns",
+        "failed": False,
         "samples": [
             {
                 "token_ids": [0, 1, 2, 3, 4, 5, 6, 7],
@@ -82,6 +93,7 @@ def test_episode_record_pins_every_field() -> None:
     assert failed["samples"] == []
     assert failed["error"] == "boom"
     assert failed["stop_reason"] == "env_error"
+    assert failed["failed"] is True
 
 
 def test_log_writes_compact_lines_on_due_steps_only(tmp_path: Path) -> None:

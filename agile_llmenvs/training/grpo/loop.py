@@ -155,15 +155,17 @@ def _train(run: GRPORun, settings: RunSettings, book: RunBook) -> None:
             resume_step=book.resume_step,
         )
     limits = settings.failures
-    failures = EnvFailures(limits.max_fraction, limits.max_steps, report=main)
+    failures = EnvFailures(
+        limits.max_fraction, limits.max_steps, report=main, output_dir=settings.output_dir
+    )
     episodes = settings.batch_size * settings.group_size
     for step in book.steps():
         step_rng = step_seed(settings.seed, step, run.accelerator.process_index)
         row = _step(run, settings, step + 1, step_rng, rollouts, failures)
         row.update(_evaluate(run, step + 1))
-        shown = {"reward": row["reward_mean"], "loss": row["loss"]}
-        if failures.seen:  # once the env has failed, the share of each step
-            shown["failed"] = row["failed_episodes"] / episodes
+        shown: dict[str, float | str] = {"reward": row["reward_mean"], "loss": row["loss"]}
+        if failures.seen:  # once the env has failed, each step's count, as the stop says it
+            shown["failed"] = f"{int(row['failed_episodes'])}/{episodes}"
         book.record(row, shown)
         failures.check(step + 1, int(row["failed_episodes"]), episodes)
         _check_credit(run, settings, step + 1, row)

@@ -168,7 +168,7 @@ class RunBook:
         """The 0-based indices of the steps left to run."""
         return range(self.start_step, self.settings.max_steps)
 
-    def record(self, row: dict[str, float], shown: Mapping[str, float]) -> None:
+    def record(self, row: dict[str, float], shown: Mapping[str, float | str]) -> None:
         """Keep the row of the step just done: in :attr:`history`, the metrics file and,
         every ``log_every`` steps, the progress line, which shows ``shown``."""
         self.step += 1

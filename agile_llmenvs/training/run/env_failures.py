@@ -13,10 +13,12 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TextIO
 
 from agile_llmenvs.core import Trajectory
 from agile_llmenvs.errors import EnvFailuresError
+from agile_llmenvs.weights import find_checkpoint
 
 __all__ = ["EnvFailures", "failure_kind"]
 
@@ -48,8 +50,10 @@ class EnvFailures:
         *,
         report: bool = True,
         stream: TextIO | None = None,
+        output_dir: Path | None = None,
     ) -> None:
         self.max_fraction, self.max_steps, self.report = max_fraction, max_steps, report
+        self.output_dir = output_dir  # the run's: the stop offers --resume once it holds one
         self.stream = stream if stream is not None else sys.stderr
         self.seen: dict[str, str] = {}  # kind -> its first message
         self.failing_steps = 0  # in a row, up to the last step recorded
@@ -98,6 +102,11 @@ class EnvFailures:
             f"the env failed in more than {self.max_fraction:.0%} of the episodes for "
             f"{steps} (step {step}: {failed} of {episodes}): stopping, as "
             f"training.max_failed_fraction and training.max_failed_steps say{first}. The failed "
-            "episodes are in rollouts.jsonl; fix the env and train again (--resume continues "
-            "from the last checkpoint, --overwrite starts over)"
+            f"episodes are in rollouts.jsonl; fix the env and train again ({self._again()})"
         )
+
+    def _again(self) -> str:
+        """How to train again: from the last checkpoint when there is one."""
+        if self.output_dir is not None and find_checkpoint(self.output_dir, report=False):
+            return "--resume continues from the last checkpoint, --overwrite starts over"
+        return "no checkpoint was saved: --overwrite starts over"

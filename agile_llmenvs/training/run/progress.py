@@ -46,7 +46,7 @@ class Progress:
         self.name, self.step, self.total, self.enabled = name, start, total, enabled
         self.interval_s = interval_s
         self.stream = stream if stream is not None else sys.stderr
-        self.values: dict[str, float] = {}
+        self.values: dict[str, float | str] = {}
         self._started = time.monotonic()
         self._last_line: float | None = None
         self._bar: Any = None
@@ -55,11 +55,12 @@ class Progress:
 
             self._bar = tqdm(initial=start, total=total, desc=name, file=self.stream)
 
-    def show(self, **values: float) -> None:
-        """Show these values from now on (the bar's postfix, or the next line's)."""
+    def show(self, **values: float | str) -> None:
+        """Show these values from now on (the bar's postfix, or the next line's): numbers to
+        4 significant digits, text as it is."""
         self.values = values
         if self._bar is not None:
-            self._bar.set_postfix({key: f"{value:.4g}" for key, value in values.items()})
+            self._bar.set_postfix({key: _shown(value) for key, value in values.items()})
 
     def advance(self) -> None:
         """Count one more step done."""
@@ -77,7 +78,7 @@ class Progress:
 
     def line(self, elapsed_s: float) -> str:
         """``grpo step 12/800: reward 0.5, loss 0.0123 (6 s)``."""
-        values = ", ".join(f"{key} {value:.4g}" for key, value in self.values.items())
+        values = ", ".join(f"{key} {_shown(value)}" for key, value in self.values.items())
         shown = f": {values}" if values else ""
         return f"{self.name} step {self.step}/{self.total}{shown} ({elapsed_s:.0f} s)"
 
@@ -91,3 +92,7 @@ class Progress:
 def _is_terminal(stream: TextIO) -> bool:
     isatty = getattr(stream, "isatty", None)
     return bool(isatty and isatty())
+
+
+def _shown(value: float | str) -> str:
+    return value if isinstance(value, str) else f"{value:.4g}"

@@ -6,7 +6,7 @@ Every ``log_rollouts_every`` steps the GRPO trainer's main process appends the f
 line::
 
     {"step": 10, "group": 0, "slot": 0, "task": {"seed": 7, "row_index": 3},
-     "reward": 1.0, "rewards": [1.0], "stop_reason": "terminated",
+     "reward": 1.0, "rewards": [1.0], "stop_reason": "terminated", "failed": false,
      "samples": [{"token_ids": [...], "provenance": "ppppssse", "turn_ids": [...],
                   "spans": [{"source": "prompt", "turn": -1, "text": "..."}, ...]}]}
 
@@ -16,7 +16,8 @@ them: ``p`` prompt (before the first sampled id), ``s`` sampled by the policy, `
 by the env or the chat template after it. ``turn_ids`` is aligned the same way: the turn of a
 sampled id, else -1 (the sample's ``turn_ids`` describe next-token targets, so they are this
 list without its first entry). ``spans`` are runs of one source and turn, decoded for display
-only; training never reads them. A failed episode has no samples and an ``error``.
+only; training never reads them. A failed episode says ``"failed": true`` (its ``reward`` is
+no score: the group's advantages leave it out), and has an ``error`` and no samples.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def episode_record(step: int, trajectory: Trajectory, tokenizer: Any) -> dict[st
         "reward": episode.total_reward,
         "rewards": list(episode.rewards),
         "stop_reason": str(episode.stop_reason),
+        "failed": trajectory.failed,
         "samples": [_sample_record(sample, tokenizer) for sample in episode.samples],
     }
     if "error" in episode.info:

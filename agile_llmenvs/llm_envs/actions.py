@@ -198,6 +198,9 @@ class ActionPlayer:
         renderer: What the policy is shown of a reply: its images, decoded (an
             :class:`~agile_llmenvs.transport.images.ImageObservationError` for images it
             cannot show), and its info without them.
+        text_field: The action field the client sends the text in (the client's own
+            ``action_field``; default the config's): a refusal of that field's value is
+            the policy's, an invalid turn.
     """
 
     def __init__(
@@ -207,8 +210,10 @@ class ActionPlayer:
         config: Any,
         *,
         renderer: PromptRenderer,
+        text_field: str | None = None,
     ) -> None:
         self.framer, self.config = framer, config
+        self.text_field = text_field or config.action_field
         self.observation_text = observation_text
         self.renderer = renderer
         self.delimiters = config.reasoning_delimiters or framer.reasoning or _DEFAULT_REASONING
@@ -232,7 +237,7 @@ class ActionPlayer:
         if not config.mcp_tool:
             if config.action_parser is None:
                 step = EnvCall("step", (action,))
-                return (yield from self._send(step, text_field=config.action_field))
+                return (yield from self._send(step, text_field=self.text_field))
             try:
                 fields = dict(config.action_parser(action))
             except ValueError as exc:  # the parser's refusal: the policy's mistake

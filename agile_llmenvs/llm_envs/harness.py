@@ -116,7 +116,11 @@ class RolloutHarness:
             image_field=self.config.image_field,
         )
         self.player = ActionPlayer(
-            self.framer, self._observation_text, self.config, renderer=self.renderer
+            self.framer,
+            self._observation_text,
+            self.config,
+            renderer=self.renderer,
+            text_field=getattr(env_client, "action_field", None),  # where the client puts it
         )
         self.async_calls = _ASYNC_CALLS
         self.eval = False

@@ -198,3 +198,23 @@ def test_grpo_on_the_typed_env_fails_no_episode(tiny_model_dir: Path, tmp_path: 
     assert [float(row["failed_episodes"]) for row in rows] == [0.0, 0.0]
     # the random policy's text is no int: every turn of the three is invalid
     assert [float(row["reward_mean"]) for row in rows] == [-1.5, -1.5]
+
+
+def test_a_client_built_by_hand_with_its_action_field_refuses_as_an_invalid_turn(
+    tokenizer: Any,
+) -> None:
+    """``InProcessEnvClient(env, action_field="guess")`` in a ``RolloutHarness`` whose own
+    settings name no field: the text goes in the client's field, so its refusal is the
+    policy's (the episode used to end with ENV_ERROR, where a served env's went on)."""
+    from agile_llmenvs.llm_envs import RolloutHarness
+    from agile_llmenvs.transport.client import InProcessEnvClient
+
+    client = InProcessEnvClient(typed_envs.IntGuessEnvironment(), action_field="guess")
+    harness = RolloutHarness(client, tokenizer, 3)
+    harness.reset(seed=0)
+    turn = harness.step([*tokenizer.encode("seven, I think", add_special_tokens=False), EOS])
+    assert not turn.done
+    assert turn.info["invalid_action"] == NOT_AN_INT
+    turn = harness.step([*tokenizer.encode("7", add_special_tokens=False), EOS])
+    assert turn.done
+    assert harness.get_episode_data().stop_reason is StopReason.TERMINATED

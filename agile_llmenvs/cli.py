@@ -89,15 +89,22 @@ def _serve_env(args: argparse.Namespace) -> int:
     )
     url = server.url
     stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    previous = {
+        signum: signal.signal(signum, lambda *_: stop.set())
+        for signum in (signal.SIGINT, signal.SIGTERM)
+    }
     print(f"serving {args.entrypoint} at {url} (sessions at {url}/ws)", flush=True)
     status = 0
-    while not stop.wait(1.0):
-        if not server.serving:  # exit non-zero, so a supervisor restarts it
-            print(f"error: the env server at {url} stopped serving", file=sys.stderr)
-            status = 1
-            break
+    try:
+        while not stop.wait(1.0):
+            if not server.serving:  # exit non-zero, so a supervisor restarts it
+                print(f"error: the env server at {url} stopped serving", file=sys.stderr)
+                status = 1
+                break
+    finally:
+        for signum, handler in previous.items():  # a caller's own handlers, as they were
+            if handler is not None:
+                signal.signal(signum, handler)
     server.close()  # open sessions get a close frame; bounded by a few seconds
     if server.serving:  # an env call that never returns holds the server: leave anyway
         print(f"the env server at {url} did not stop within 5 s; exiting", file=sys.stderr)

@@ -129,12 +129,28 @@ def test_a_late_reply_never_answers_a_later_call() -> None:
 
 
 def test_an_interrupted_call_drops_the_session_so_its_reply_is_never_read() -> None:
+    # Python's own SIGINT handler, whatever an earlier test of the process left installed
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupted_calls()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted_calls() -> None:
     with OpenEnvServer(make_env=EchoEnv, max_concurrent_envs=4) as server:
         blocking = RemoteEnvClient(server.url, timeout_s=5)
         blocking.reset()
-        interrupt = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+        stepping = threading.Event()
+
+        def interrupt_the_step() -> None:
+            stepping.wait(10)
+            time.sleep(0.5)  # inside the step, which lasts 2 s
+            os.kill(os.getpid(), signal.SIGINT)
+
+        interrupt = threading.Thread(target=interrupt_the_step, daemon=True)
         interrupt.start()
-        # a step long enough that a busy machine's late timer still lands inside it
+        stepping.set()
         with pytest.raises(KeyboardInterrupt):
             blocking.step("sleep:2")
         interrupt.join()

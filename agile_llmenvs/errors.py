@@ -30,6 +30,7 @@ __all__ = [
     "GenerationServerError",
     "GenerationTimeoutError",
     "ImportPathError",
+    "LoRASyncError",
     "LogitTransformError",
     "ManifestError",
     "NonFiniteUpdateError",
@@ -38,6 +39,7 @@ __all__ = [
     "SlotTimeoutError",
     "StaleEpisodeError",
     "StaleStateError",
+    "SyncCheckError",
     "TaskMismatchError",
     "TaskSelectionError",
 ]
@@ -229,6 +231,18 @@ class EnvHostError(EnvConnectionError):
 class LogitTransformError(AgileLLMEnvsError, TypeError):
     """A model's forward changes its output layer's logits in a way the scored-token path
     cannot reproduce (it would train on other log-probs than the sampler's)."""
+
+
+class LoRASyncError(AgileLLMEnvsError, ValueError):
+    """A LoRA policy's adapters cannot reach a vLLM sampler exactly (an adapter on a tied
+    embedding or output layer, on a layer kind a sync cannot merge, or one an adapters-only
+    sync cannot send): refused before anything is sent, the module named with the fix."""
+
+
+class SyncCheckError(AgileLLMEnvsError, RuntimeError):
+    """After a weight sync, the sampler's log-probs of a probe sequence differ from the
+    policy's by more than ``training.sync_check_tolerance``: the sampler does not hold the
+    policy being trained. The run stops (exit 2) rather than learn from another policy."""
 
 
 class CheckpointError(AgileLLMEnvsError):

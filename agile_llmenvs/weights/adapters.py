@@ -13,16 +13,20 @@ from typing import Any
 
 import torch
 
-from agile_llmenvs.errors import OptionalDependencyError
+from agile_llmenvs.errors import LoRASyncError, OptionalDependencyError
 
 __all__ = [
     "ADAPTER",
     "ADAPTER_CONFIG_FILE",
     "ADAPTER_WEIGHTS_FILE",
+    "adapted_layers",
     "adapter_rank",
+    "check_mergeable",
     "is_lora",
+    "lora_sync_problems",
     "merged_weights",
     "require_peft",
+    "require_syncable",
     "write_adapters",
 ]
 
@@ -53,14 +57,114 @@ def is_lora(model: Any) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
 
 
+def adapted_layers(base: Any) -> dict[str, Any]:
+    """The layers of a peft model's base model (``model.get_base_model()``) that carry the
+    adapter, keyed by the name of the weight they adapt (``"model.embed_tokens.weight"``)."""
+    from peft.tuners.lora import LoraLayer
+
+    return {
+        f"{name}.weight": module
+        for name, module in base.named_modules()
+        if isinstance(module, LoraLayer)
+        and (ADAPTER in module.lora_A or ADAPTER in module.lora_embedding_A)
+    }
+
+
+def check_mergeable(layer: Any) -> None:
+    """Refuse an adapted layer whose adapter a weight sync cannot merge exactly.
+
+    Raises:
+        NotImplementedError: Not a plain LoRA adapter on a linear layer or an embedding
+            (DoRA, ``fan_in_fan_out``, convolutions, attention modules, target parameters).
+    """
+    from peft.tuners.lora import Embedding, Linear
+
+    if not isinstance(layer, Linear | Embedding):
+        raise NotImplementedError(
+            f"{type(layer).__name__}: a weight sync merges LoRA adapters on linear layers "
+            "and embeddings only"
+        )
+    if getattr(layer, "fan_in_fan_out", False) or layer.use_dora.get(ADAPTER):
+        raise NotImplementedError(
+            f"{type(layer).__name__}: merging fan_in_fan_out or DoRA adapters for a weight "
+            "sync is not supported; train plain LoRA adapters on Linear layers"
+        )
+
+
+def lora_sync_problems(model: Any, *, adapters_only: bool = False) -> list[str]:
+    """Why a weight sync could not hand ``model``'s adapters to a vLLM sampler exactly: one
+    line per adapted module that names it and says what to do (empty: every one reaches it).
+
+    A sampler holds one matrix per weight, so a model whose output layer shares the input
+    embedding's matrix (``tie_word_embeddings``) cannot take an adapter on either: peft adds
+    it on one side of the shared matrix only. An adapters-only sync (``lora_sync: adapters``)
+    sends linear layers' adapters; vLLM would drop an embedding's or the output layer's.
+
+    Args:
+        model: A peft model (anything else has no problems).
+        adapters_only: The sync sends the adapters alone, not merged weights.
+    """
+    if not is_lora(model):
+        return []
+    base = model.get_base_model()
+    inputs, outputs = base.get_input_embeddings(), base.get_output_embeddings()
+    tied = outputs is not None and _base_weight(outputs) is _base_weight(inputs)
+    problems = []
+    for name, layer in adapted_layers(base).items():
+        module = name.removesuffix(".weight")
+        ends = layer is inputs or layer is outputs
+        try:
+            check_mergeable(layer)
+        except NotImplementedError as exc:
+            problems.append(f"{module}: {exc}; leave it out of training.lora.target_modules")
+            continue
+        if ends and tied:
+            problems.append(
+                f"{module}: the model ties its output layer to its input embedding "
+                "(tie_word_embeddings), and an adapter on either changes only one side of the "
+                "matrix the sampler holds once; leave it out of training.lora.target_modules, "
+                "or untie the model (save it with tie_word_embeddings: false and lm_head "
+                "copied from embed_tokens)"
+            )
+        elif ends and adapters_only:
+            problems.append(
+                f"{module}: an adapters-only sync sends linear layers' adapters, not an "
+                "embedding's or the output layer's; set training.vllm_server.lora_sync: "
+                "merged (the weights go with the adapters merged in), or leave it out of "
+                "training.lora.target_modules"
+            )
+    return problems
+
+
+def require_syncable(model: Any, *, adapters_only: bool = False) -> None:
+    """Refuse a policy whose adapters a weight sync would send wrong
+    (:func:`lora_sync_problems`); a plain model, or adapters that all reach the sampler
+    exactly, pass.
+
+    Raises:
+        LoRASyncError: Naming every module that cannot be sent, with what to do.
+    """
+    problems = lora_sync_problems(model, adapters_only=adapters_only)
+    if problems:
+        lines = "".join(f"\n  - {problem}" for problem in problems)
+        raise LoRASyncError(
+            "this LoRA policy's adapters cannot reach the vLLM sampler exactly, so it would "
+            f"generate from another policy than the one trained:{lines}"
+        )
+
+
+def _base_weight(module: Any) -> Any:
+    """The weight under any adapter of ``module``."""
+    return getattr(module, "base_layer", module).weight
+
+
 def merged_weights(model: Any) -> dict[str, torch.Tensor]:
     """The model's weights under the base model's own names, adapters merged in
-    (``W + scale * B A``) without touching the model; a plain model's parameters as they are.
+    (``W + scale * B A``; an embedding's ``W + scale * (B A)^T``) without touching the
+    model; a plain model's parameters as they are.
     """
     if not is_lora(model):
         return {name: param.detach() for name, param in model.named_parameters()}
-    from peft.tuners.lora import LoraLayer
-
     base = model.get_base_model()
     weights = {
         name.replace(".base_layer.", "."): param.detach()
@@ -68,12 +172,10 @@ def merged_weights(model: Any) -> dict[str, torch.Tensor]:
         if ".lora_" not in name
     }
     with torch.no_grad():
-        for module_name, module in base.named_modules():
-            if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
-                layer: Any = module  # lora.Linear and kin: get_delta_weight is theirs
-                weight = layer.get_base_layer().weight
-                merged = weight + layer.get_delta_weight(ADAPTER).to(weight.dtype)
-                weights[f"{module_name}.weight"] = merged
+        for name, layer in adapted_layers(base).items():
+            check_mergeable(layer)
+            weight = layer.get_base_layer().weight
+            weights[name] = weight + layer.get_delta_weight(ADAPTER).to(weight.dtype)
     return weights
 
 
@@ -88,6 +190,7 @@ def write_adapters(model: Any, folder: Path, *, main: bool = True) -> Path:
     from torch.distributed.tensor import DTensor
 
     peft = require_peft()
+    require_syncable(model, adapters_only=True)
     gathered: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         if ".lora_" not in name or f".{ADAPTER}." not in name:

@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
-from agile_llmenvs.weights.adapters import ADAPTER, is_lora
+from agile_llmenvs.weights.adapters import (
+    ADAPTER,
+    adapted_layers,
+    check_mergeable,
+    is_lora,
+    require_syncable,
+)
 
 __all__ = ["local_weights", "rank_file", "read_weights", "weight_metas", "write_weights"]
 
@@ -54,17 +60,22 @@ def local_weights(model: Any, *, whole: bool = False) -> Iterator[tuple[str, tor
     """``model``'s weights under the Hugging Face names a server loads, as this process holds
     them: whole tensors, or the local rows of an FSDP2-sharded one (``whole``: gathered whole,
     one at a time). A LoRA model's adapted weights come with their adapters merged in
-    (``W + scale * B A``, the model untouched).
+    (``W + scale * B A``; an embedding's ``W + scale * (B A)^T``), the model untouched.
 
     Every process of a sharded model must iterate it to the end, in step: a LoRA layer's
     ``A`` is gathered whole (it is small: rank x in-features), a collective, and so is every
     tensor with ``whole``.
+
+    Raises:
+        LoRASyncError: A LoRA model whose adapters cannot be merged exactly
+            (:func:`~agile_llmenvs.weights.adapters.lora_sync_problems`).
     """
     piece = _whole if whole else _local
     if not is_lora(model):
         for name, param in model.named_parameters():
             yield name, piece(param.detach())
         return
+    require_syncable(model)
     yield from _merged_lora_weights(model, piece)
 
 
@@ -81,14 +92,8 @@ def weight_metas(model: Any) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
 
 
 def _merged_lora_weights(model: Any, piece: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    from peft.tuners.lora import LoraLayer
-
     base = model.get_base_model()
-    adapted: dict[str, Any] = {
-        f"{module_name}.weight": module
-        for module_name, module in base.named_modules()
-        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A
-    }
+    adapted = adapted_layers(base)
     for name, param in base.named_parameters():
         if ".lora_" in name:
             continue
@@ -98,22 +103,39 @@ def _merged_lora_weights(model: Any, piece: Any) -> Iterator[tuple[str, torch.Te
             yield name, piece(param.detach())
             continue
         with torch.no_grad():
-            yield name, _merged(layer, piece(param.detach()), piece)
+            yield name, _merged(layer, param.detach(), piece)
 
 
-def _merged(layer: Any, weight: torch.Tensor, piece: Any) -> torch.Tensor:
-    """``weight`` (this process's rows of the base weight) plus the same rows of the adapter's
-    ``scale * B A``."""
-    if getattr(layer, "fan_in_fan_out", False) or getattr(layer, "use_dora", {}).get(ADAPTER):
-        raise NotImplementedError(
-            f"{type(layer).__name__}: merging fan_in_fan_out or DoRA adapters for a weight "
-            "sync is not supported; train plain LoRA adapters on Linear layers"
-        )
-    lora_a = layer.lora_A[ADAPTER].weight.detach()
-    lora_b = piece(layer.lora_B[ADAPTER].weight.detach())
-    a_full = lora_a.full_tensor() if _is_dtensor(lora_a) else lora_a
-    delta = (lora_b @ a_full) * layer.scaling[ADAPTER]
-    return weight + delta.to(weight.dtype)
+def _merged(layer: Any, param: torch.Tensor, piece: Any) -> torch.Tensor:
+    """This process's rows of the base weight ``param`` plus the same rows of the adapter's
+    delta: ``scale * B A`` for a linear layer, ``scale * (B A)^T`` for an embedding."""
+    check_mergeable(layer)
+    weight = piece(param)
+    scale = layer.scaling[ADAPTER]
+    if ADAPTER in layer.lora_A:  # Linear: out x in, rows are B's rows
+        lora_a = _whole(layer.lora_A[ADAPTER].weight.detach())
+        lora_b = piece(layer.lora_B[ADAPTER].weight.detach())
+        return weight + ((lora_b @ lora_a) * scale).to(weight.dtype)
+    # Embedding: vocab x dim; A is r x vocab, B is dim x r (both small: gathered whole)
+    lora_a = _whole(layer.lora_embedding_A[ADAPTER].detach())
+    lora_b = _whole(layer.lora_embedding_B[ADAPTER].detach())
+    start = _row_offset(param) if piece is _local else 0
+    rows_a = lora_a[:, start : start + weight.shape[0]]
+    return weight + ((rows_a.T @ lora_b.T) * scale).to(weight.dtype)
+
+
+def _row_offset(param: torch.Tensor) -> int:
+    """The first row of the whole tensor this process holds of an FSDP2 parameter."""
+    if not _is_dtensor(param):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(
+        param.shape,
+        param.device_mesh,  # type: ignore[attr-defined]
+        param.placements,  # type: ignore[attr-defined]
+    )
+    return int(offset[0])
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

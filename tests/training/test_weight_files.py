@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lora_models import untied_copy
 from safetensors import safe_open
 from safetensors.torch import load_file
 from training.launch import launch_two
@@ -83,14 +84,17 @@ def test_a_folder_missing_a_process_file_is_refused(tiny_model_dir: Path, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
-@pytest.mark.parametrize("mode", ["whole", "fsdp", "fsdp-lora"])
+@pytest.mark.parametrize("mode", ["whole", "fsdp", "fsdp-lora", "fsdp-lora-ends"])
 def test_two_processes_write_a_folder_that_reads_back_whole(
     tiny_model_dir: Path, tmp_path: Path, mode: str
 ) -> None:
-    if mode == "fsdp-lora":
+    model_dir = tiny_model_dir
+    if mode.startswith("fsdp-lora"):
         pytest.importorskip("peft")
+    if mode == "fsdp-lora-ends":  # embed_tokens' rows, sharded, merged with A's columns
+        model_dir = untied_copy(tiny_model_dir, tmp_path / "untied")
     folder = tmp_path / "sync"
-    done = launch_two(HERE / "sharded_weight_files.py", str(tiny_model_dir), mode, str(folder))
+    done = launch_two(HERE / "sharded_weight_files.py", str(model_dir), mode, str(folder))
     assert done.returncode == 0, done.stderr[-3000:]
     expected = torch.load(tmp_path / "expected.pt")
     files = [rank_file(folder, rank, 2) for rank in (0, 1)]
@@ -107,7 +111,7 @@ def test_two_processes_write_a_folder_that_reads_back_whole(
     read = dict(read_weights(folder))
     assert set(read) == set(expected)
     for name, tensor in expected.items():
-        if mode == "fsdp-lora":  # merged here and by peft: the same sums, maybe reordered
+        if mode.startswith("fsdp-lora"):  # merged here and by peft: the same sums, maybe reordered
             torch.testing.assert_close(read[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
         else:
             assert torch.equal(read[name], tensor), name

@@ -36,6 +36,7 @@ from agile_llmenvs.training.policy import (
     vision_processor,
 )
 from agile_llmenvs.training.run import RunSettings, UpdateSettings, load_checkpoint
+from agile_llmenvs.weights import require_syncable
 
 __all__ = ["GRPORun", "setup_run", "step_seed", "turn_signal"]
 
@@ -119,6 +120,8 @@ def setup_run(settings: RunSettings, resume: bool) -> GRPORun:
     learner, tokenizer = prepare_policy(settings.policy)
     accelerator = learner.accelerator
     policy = accelerator.unwrap_model(learner.model)
+    if settings.generation.backend != "hf":  # refused before an engine or server starts
+        require_syncable(policy, adapters_only=_syncs_adapters(settings))
     reference = reference_model(policy, accelerator.device) if settings.update.beta else None
     text_config = policy.config.get_text_config()
     max_model_len = settings.max_model_len or text_config.max_position_embeddings
@@ -171,6 +174,16 @@ def setup_run(settings: RunSettings, resume: bool) -> GRPORun:
         server,
         held_out=held_out,
         processor=processor,
+    )
+
+
+def _syncs_adapters(settings: RunSettings) -> bool:
+    """Whether the run's weight syncs send a LoRA policy's adapters alone."""
+    server = settings.generation.server
+    return (
+        settings.generation.backend == "vllm_server"
+        and server is not None
+        and (server.lora_sync == "adapters")
     )
 
 

@@ -126,6 +126,19 @@ class VLLMBackend(LocalChatBackend):
         )
         return [self._generation(out.outputs[0]) for out in outputs]
 
+    def prompt_logprobs(self, ids: Sequence[int]) -> list[float]:
+        """The engine's log-prob of each token of ``ids`` after the first, given the ones
+        before it, from its raw logits (temperature 1, nothing cut): what a weight sync's
+        check compares with the policy's own."""
+        from vllm.inputs import TokensPrompt
+
+        sampling = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        [output] = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(ids))], sampling, use_tqdm=False
+        )
+        steps = output.prompt_logprobs[1:]  # the first token has none
+        return [float(step[tok].logprob) for tok, step in zip(ids[1:], steps, strict=True)]
+
     def _sampling_params(self, params: SamplingParams) -> Any:
         return self._vllm.SamplingParams(
             n=1,

@@ -203,6 +203,19 @@ class TrainingSpec(BaseModel):
         "trainer by, so rollouts for later steps are generated while it learns (0: "
         "on-policy, no overlap). Older samples are dropped and counted (`stale_groups`).",
     )
+    sync_check: Literal["auto", "every", "off"] = Field(
+        "auto",
+        description="GRPO with `vllm` or `vllm_server`: after a weight sync, compare the "
+        "sampler's log-probs of a probe (the last 64 tokens of a row just trained on) with "
+        "the policy's, and stop the run when they differ: `auto` checks the setup sync and "
+        "later ones within 1% of the run's time, `every` checks each sync, `off` none.",
+    )
+    sync_check_tolerance: float | None = Field(
+        None,
+        gt=0.0,
+        description="The largest mean absolute log-prob difference a sync check passes "
+        "(unset: 1e-3 for a float32 policy, 5e-2 for 16-bit weights).",
+    )
     micro_batch_size: int | None = Field(
         None,
         ge=1,
@@ -356,6 +369,12 @@ class TrainingSpec(BaseModel):
             raise fail(
                 "generation_backend",
                 f"'vllm' generates GRPO rollouts; {self.algorithm!r} does not generate",
+            )
+        if self.sync_check_tolerance is not None and self.generation_backend == "hf":
+            raise fail(
+                "sync_check_tolerance",
+                "a sync check needs a sampler that is synced: `generation_backend: vllm` or "
+                "`vllm_server`",
             )
         if self.vllm is not None and self.generation_backend != "vllm":
             raise fail("vllm", "engine settings need `generation_backend: vllm`")

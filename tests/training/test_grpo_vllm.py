@@ -19,6 +19,7 @@ pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
 from branch_envs import door_manifest  # noqa: E402
+from lora_models import untied_copy  # noqa: E402
 
 from agile_llmenvs.backends import HFBackend, SamplingParams  # noqa: E402
 from agile_llmenvs.backends.types import Generation  # noqa: E402
@@ -58,12 +59,27 @@ class _SyncChecks:
         monkeypatch.setattr(PolicyVLLMEngine, "load_weights", load_and_check)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+#: LoRA on the linear layers of the tied tiny model, or on its ends too, untied.
+LORA_CASES = {
+    "full": None,
+    "lora": {"r": 4, "alpha": 8},
+    "lora-ends": {
+        "r": 4,
+        "alpha": 8,
+        "target_modules": ["q_proj", "v_proj", "embed_tokens", "lm_head"],
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(LORA_CASES))
 def test_vllm_rollouts_follow_the_policy_weights(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lora: bool
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
+    lora = LORA_CASES[case]
     if lora:
         pytest.importorskip("peft")
+    if case == "lora-ends":
+        model_dir = untied_copy(model_dir, tmp_path / "untied")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     checks = _SyncChecks(model_dir, monkeypatch)
     manifest = load_manifest(HERE.parents[1] / "manifests" / "quickstart.yaml")
@@ -78,7 +94,8 @@ def test_vllm_rollouts_follow_the_policy_weights(
         "output_dir": str(tmp_path / "run"),
         "generation_backend": "vllm",
         "vllm": {"enforce_eager": True},
-        **({"lora": {"r": 4, "alpha": 8}} if lora else {}),
+        "sync_check": "every",
+        **({"lora": lora} if lora else {}),
     }
     env = {"rubric_file_path": str(HERE / "rubrics.py"), "rubric_name": "digit_share"}
     manifest = manifest.model_copy(
@@ -92,6 +109,8 @@ def test_vllm_rollouts_follow_the_policy_weights(
 
     assert [row["step"] for row in result.metrics] == [1.0, 2.0]
     assert all(row["weight_sync_time_s"] > 0 for row in result.metrics)
+    # every sync checked, the engine's log-probs of the probe the policy's own
+    assert all(0 <= row["sync_check_gap"] < 1e-4 for row in result.metrics)
     assert len(checks.pairs) == 3  # at the start, then after each optimizer step
     for engine_out, policy_out in checks.pairs:
         assert [g.token_ids for g in engine_out] == [g.token_ids for g in policy_out]
@@ -205,3 +224,42 @@ def test_turn_mc_continuations_generate_on_the_engine(model_dir: Path, tmp_path:
     assert [row["credit_states"] for row in result.metrics] == [8.0, 8.0]
     assert [row["credit_fallback_episodes"] for row in result.metrics] == [0.0, 0.0]
     assert all(row["credit_tokens"] > 0 for row in result.metrics)
+
+
+def test_a_sync_that_loads_other_weights_stops_the_run(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sync made wrong on purpose after the first step (the embedding, which the output
+    layer shares, sent 2% larger): the check after that sync stops the run, naming it."""
+    from agile_llmenvs.errors import SyncCheckError
+    from agile_llmenvs.training.generation import vllm_engine
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    real = vllm_engine.local_weights
+    calls = []
+
+    def corrupted(policy: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        for name, tensor in real(policy, **kwargs):
+            wrong = len(calls) > 1 and name == "model.embed_tokens.weight"
+            yield name, tensor * 1.02 if wrong else tensor
+
+    monkeypatch.setattr(vllm_engine, "local_weights", corrupted)
+    manifest = door_manifest(
+        model_dir,
+        tmp_path / "run",
+        model={"max_model_len": 512},
+        generation_backend="vllm",
+        vllm={"enforce_eager": True},
+        max_steps=3,
+        sync_check="every",
+    )
+    with pytest.raises(SyncCheckError) as raised:
+        train_grpo(manifest)
+    assert len(calls) == 2  # the setup sync passed; the one after step 1 did not
+    assert str(raised.value).startswith(
+        "after the weight sync after step 1, process 0's vLLM engine's log-probs of a "
+    )
+    assert "(training.sync_check_tolerance 0.001): the sampler does not hold the policy" in str(
+        raised.value
+    )

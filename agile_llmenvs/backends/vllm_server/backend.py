@@ -20,7 +20,7 @@ from agile_llmenvs.backends.vllm_server.servers import (
     session_loop,
 )
 from agile_llmenvs.backends.vllm_server.weight_sync import LoRASync, WeightSync, WeightTransfer
-from agile_llmenvs.backends.vllm_server.wire import completion_body, generation
+from agile_llmenvs.backends.vllm_server.wire import completion_body, generation, prompt_logprobs
 from agile_llmenvs.errors import GenerationServerError
 
 __all__ = ["VLLMServerBackend"]
@@ -238,6 +238,34 @@ class VLLMServerBackend(LocalChatBackend):
         except GenerationServerError:
             self._pool.mark_down(url)  # a wrong reply, as a failed one
             raise
+
+    def prompt_logprobs(self, ids: Sequence[int]) -> dict[str, list[float]]:
+        """Each server's log-prob of each token of ``ids`` after the first, given the ones
+        before it, from its raw logits (the LoRA adapters it serves, if any): what a weight
+        sync's check compares with the policy's own. Keyed by server URL.
+
+        Raises:
+            GenerationServerError: A server failed the request (``url`` names it).
+        """
+        return session_loop().run(self._prompt_logprobs(list(ids)))
+
+    async def _prompt_logprobs(self, ids: list[int]) -> dict[str, list[float]]:
+        model = self._sync.adapter or await self._served_model()
+        body = {
+            "model": model,
+            "prompt": ids,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+        }
+        servers = list(self._pool.servers)
+        replies = await asyncio.gather(
+            *(self._pool.post(s, "/v1/completions", body) for s in servers)
+        )
+        return {
+            server.url: prompt_logprobs(reply, ids, server.url)
+            for server, reply in zip(servers, replies, strict=True)
+        }
 
     async def _served_model(self) -> str:
         if self._model is not None:

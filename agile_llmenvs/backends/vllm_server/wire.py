@@ -13,7 +13,14 @@ from typing import Any
 from agile_llmenvs.backends.types import FinishReason, Generation, SamplingParams
 from agile_llmenvs.errors import GenerationServerError
 
-__all__ = ["completion_body", "generation", "lora_problem", "lora_settings", "transfer_backend"]
+__all__ = [
+    "completion_body",
+    "generation",
+    "lora_problem",
+    "lora_settings",
+    "prompt_logprobs",
+    "transfer_backend",
+]
 
 _TOKEN_ID = "token_id:"
 
@@ -80,6 +87,27 @@ def generation(reply: Any, url: str, vocab_size: int | None = None) -> Generatio
         )
     reason: FinishReason = "stop" if choice.get("finish_reason") == "stop" else "length"
     return Generation(ids, values, text, reason)
+
+
+def prompt_logprobs(reply: Any, ids: list[int], url: str) -> list[float]:
+    """The log-prob of each of ``ids`` after the first from a ``/v1/completions`` reply that
+    asked for ``prompt_logprobs`` (vLLM's ``[None, {"<id>": {"logprob": ...}}, ...]``).
+
+    Raises:
+        GenerationServerError: The reply lacks them, or not for every token of ``ids``.
+    """
+    try:
+        steps = reply["choices"][0]["prompt_logprobs"][1:]
+        values = [
+            float(step[str(tok)]["logprob"]) for tok, step in zip(ids[1:], steps, strict=True)
+        ]
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise GenerationServerError(
+            f"{url} sent no prompt log-probs for the {len(ids)} ids asked about ({exc!r}); is "
+            "it a vLLM server?",
+            url=url,
+        ) from exc
+    return values
 
 
 def _token_id(token: str) -> int:

@@ -36,6 +36,7 @@ from agile_llmenvs.training.credit import (
     collector_checkpoints,
     estimate_values,
 )
+from agile_llmenvs.training.generation.sync_check import probe_ids
 from agile_llmenvs.training.grpo.held_out import EVAL_METRICS
 from agile_llmenvs.training.grpo.policy_batch import PolicyBatch, build_policy_batch
 from agile_llmenvs.training.grpo.setup import GRPORun, setup_run, step_seed, turn_signal
@@ -71,6 +72,7 @@ GRPO_METRICS = (
     "env_time_s",
     "learn_time_s",
     "weight_sync_time_s",
+    "sync_check_gap",
     "ratio_mean",
     "ratio_max",
     "entropy",
@@ -252,10 +254,7 @@ def _step(
     losses = grpo_update(run.learner, batch.to(run.accelerator.device), run.update, run.reference)
     learn_time = time.perf_counter() - learn_start
     sync_start = time.perf_counter()
-    if run.engine is not None:
-        run.engine.load_weights(run.accelerator.unwrap_model(run.model))
-    if run.server is not None and run.server.sync_due(step):
-        run.server.sync(run.accelerator.unwrap_model(run.model), version=step)
+    gap = _sync(run, step, batch, sync_start - step_start)
     sync_time = time.perf_counter() - sync_start
     step_time = time.perf_counter() - step_start
     credit_time = values.seconds if values is not None else 0.0
@@ -280,6 +279,7 @@ def _step(
     measured = {
         **losses,
         **timings,
+        "sync_check_gap": gap,
         "learning_rate": learning_rate,
         "policy_lag_max": _policy_lag(rollout, kept_GN, step - 1),
     }
@@ -288,6 +288,27 @@ def _step(
     if failures is not None:
         failures.see(step, rollout.trajectories)
     return _step_row(run, step, rewards_GN, finished_GN, batch, rollout, measured, counts)
+
+
+def _sync(run: GRPORun, step: int, batch: PolicyBatch, step_s: float) -> float:
+    """Send the policy's new weights to the engine or the servers (when due), then check
+    the sync when :class:`SyncCheck` says so; the check's gap, or NaN when none ran."""
+    policy = run.accelerator.unwrap_model(run.model)
+    if run.engine is not None:
+        run.engine.load_weights(policy)
+    synced = run.engine is not None
+    if run.server is not None and run.server.sync_due(step):
+        run.server.sync(policy, version=step)
+        synced = True
+    check = run.sync_check
+    if not synced or check is None:
+        return math.nan
+    if not check.due(step_s, run.accelerator.device, main=run.accelerator.is_main_process):
+        return math.nan
+    ids = run.setup_probe
+    if batch.rows:  # the last tokens of a row just trained on: sampled ones among them
+        ids = probe_ids(batch.input_ids_BT[0], batch.attention_mask_BT[0])
+    return check(policy, ids, run.sampler_logps, when=f"the weight sync after step {step}")
 
 
 def _advantages(

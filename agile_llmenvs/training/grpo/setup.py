@@ -9,6 +9,7 @@ collector, and the checkpoint's state when resuming.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -25,6 +26,7 @@ from agile_llmenvs.training.generation import (
     ServerWeightSync,
     server_backend,
 )
+from agile_llmenvs.training.generation.sync_check import SETUP_PROBE, SyncCheck, default_tolerance
 from agile_llmenvs.training.grpo.envs import RolloutEnvs
 from agile_llmenvs.training.grpo.held_out import HeldOutEval
 from agile_llmenvs.training.policy import (
@@ -61,6 +63,8 @@ class GRPORun:
     credit_refusals: dict[str, str] = field(default_factory=dict)
     credit_valued: bool = False
     checkpoints: TurnCheckpoints | None = None  # turn_mc's, made at the first collection
+    sync_check: SyncCheck | None = None  # with an engine or servers, unless turned off
+    setup_probe: list[int] = field(default_factory=list)  # the sync check's first probe
 
     @property
     def accelerator(self) -> Any:
@@ -71,6 +75,16 @@ class GRPORun:
     def model(self) -> Any:
         """The prepared policy."""
         return self.learner.model
+
+    def sampler_logps(self, ids: Sequence[int]) -> dict[str, list[float]]:
+        """This process's samplers' log-probs of ``ids``, by name: its engine's, or (on the
+        main process) every server's."""
+        if self.engine is not None:
+            name = f"process {self.accelerator.process_index}'s vLLM engine"
+            return {name: self.engine.backend.prompt_logprobs(ids)}
+        if self.server is not None and self.accelerator.is_main_process:
+            return self.server.backend.prompt_logprobs(ids)
+        return {}
 
     def rank_state(self, step: int) -> dict[str, Any]:
         """What a checkpoint after step ``step`` keeps of this process: where its collector
@@ -157,23 +171,40 @@ def setup_run(settings: RunSettings, resume: bool) -> GRPORun:
             )
             server.sync(policy, version=start_step)  # the checkpoint's, or the adapters merged in
         held_out = HeldOutEval.build(settings.held_out, envs, accelerator)
+        run = GRPORun(
+            learner,
+            tokenizer,
+            reference,
+            collector,
+            sampler,
+            # dr_grpo's constant, unset: every token the env's turns may sample
+            settings.update.with_completion_budget(settings.sampling.max_tokens * max_turns),
+            start_step,
+            engine,
+            server,
+            held_out=held_out,
+            processor=processor,
+            sync_check=_sync_check(settings, policy, accelerator),
+            setup_probe=list(tokenizer(SETUP_PROBE)["input_ids"]),
+        )
+        if run.sync_check is not None:  # the setup sync is always checked
+            run.sync_check(policy, run.setup_probe, run.sampler_logps, when="the setup sync")
     except BaseException:
         _close(server, collector, None, engine)
         raise
-    # dr_grpo's constant, unset: every token the env's turns may sample
-    update = settings.update.with_completion_budget(settings.sampling.max_tokens * max_turns)
-    return GRPORun(
-        learner,
-        tokenizer,
-        reference,
-        collector,
-        sampler,
-        update,
-        start_step,
-        engine,
-        server,
-        held_out=held_out,
-        processor=processor,
+    return run
+
+
+def _sync_check(settings: RunSettings, policy: Any, accelerator: Any) -> SyncCheck | None:
+    """The run's weight-sync check (``None`` for ``hf``, which syncs nothing, or ``off``)."""
+    generation = settings.generation
+    if generation.backend == "hf" or generation.sync_check == "off":
+        return None
+    tolerance = generation.sync_check_tolerance
+    return SyncCheck(
+        generation.sync_check,
+        tolerance if tolerance is not None else default_tolerance(policy.dtype),
+        distributed=accelerator.num_processes > 1,
     )
 
 

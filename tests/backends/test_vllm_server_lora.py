@@ -142,3 +142,27 @@ def test_an_adapter_rank_above_the_servers_is_refused(
         raised.value
     )
     assert lora_backend.version == 0
+
+
+@pytest.mark.vllm_server
+def test_an_adapters_sync_of_embedding_or_head_adapters_is_refused_before_sending(
+    lora_backend: VLLMServerBackend, vllm_model_dir: Path, tmp_path: Path
+) -> None:
+    from lora_models import lora_on, untied_copy
+
+    from agile_llmenvs.errors import LoRASyncError
+
+    untied = untied_copy(vllm_model_dir, tmp_path / "untied")
+    version = lora_backend.version
+    for targets, module in [
+        (["q_proj", "embed_tokens"], "model.embed_tokens"),
+        (["lm_head"], "lm_head"),
+    ]:
+        with pytest.raises(LoRASyncError) as raised:
+            lora_backend.sync_weights(lora_on(untied, targets))
+        assert f"\n  - {module}: an adapters-only sync sends linear layers' adapters" in str(
+            raised.value
+        )
+        assert "set training.vllm_server.lora_sync: merged" in str(raised.value)
+        assert lora_backend.version == version  # nothing sent
+        assert not lora_backend.weights_folder(version + 1).exists()

@@ -10,8 +10,9 @@ run stops with :class:`~agile_llmenvs.errors.SyncCheckError` when their mean abs
 difference exceeds the tolerance.
 
 ``training.sync_check: auto`` (the default) spends at most :data:`BUDGET` of the run's time
-on it: the setup sync is always checked, and a later one when the checks so far cost less
-than 1% of the steps so far (on a GPU, whose steps take seconds, that is every sync).
+on it: the setup sync is always checked (once, not counted), and a later one when the checks
+after it cost less than 1% of the steps so far (on a GPU, whose steps take seconds, that is
+every sync).
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ class SyncCheck:
         sampler_logps: Callable[[Sequence[int]], Mapping[str, Sequence[float]]],
         *,
         when: str,
+        budgeted: bool = True,
     ) -> float:
         """Compare the samplers' log-probs of ``ids`` with ``policy``'s (call it on every
         process when ``distributed``; a process without a sampler of its own gives none).
@@ -122,6 +124,8 @@ class SyncCheck:
             ids: The probe (at least two tokens).
             sampler_logps: This process's samplers' log-probs of ``ids``, by name.
             when: The sync, for the message (``"the weight sync after step 7"``).
+            budgeted: Count its seconds against ``auto``'s budget (the setup sync's check,
+                made once, is not).
 
         Returns:
             The largest mean absolute difference of this process's samplers (0 without).
@@ -139,7 +143,8 @@ class SyncCheck:
         bad = gap > self.tolerance
         if self.distributed:
             bad = any_process(bad, next(policy.parameters()).device)
-        self.spent_s += time.perf_counter() - start
+        if budgeted:
+            self.spent_s += time.perf_counter() - start
         self.gaps.append(gap)
         if bad:
             raise SyncCheckError(self._message(name, gap, len(ids), when))

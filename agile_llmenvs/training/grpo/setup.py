@@ -188,7 +188,9 @@ def setup_run(settings: RunSettings, resume: bool) -> GRPORun:
             setup_probe=list(tokenizer(SETUP_PROBE)["input_ids"]),
         )
         if run.sync_check is not None:  # the setup sync is always checked
-            run.sync_check(policy, run.setup_probe, run.sampler_logps, when="the setup sync")
+            run.sync_check(
+                policy, run.setup_probe, run.sampler_logps, when="the setup sync", budgeted=False
+            )
     except BaseException:
         _close(server, collector, None, engine)
         raise

@@ -158,6 +158,7 @@ def test_a_lora_policy_syncs_its_adapters_and_the_server_follows(
         beta=0.5,
         learning_rate=0.05,
         lora={"r": LORA_SERVER_RANK},
+        sync_check="every",
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the server has the other core
@@ -172,3 +173,7 @@ def test_a_lora_policy_syncs_its_adapters_and_the_server_follows(
         assert sync["files"] == ["adapter_config.json", "adapter_model.safetensors"], sync
         assert sync["served"] == sync["trainer"], sync
     assert syncs[-1]["served"] != syncs[0]["served"]  # the adapters learned something
+    # every sync checked: the server's log-probs of the probe (through vLLM's LoRA kernels)
+    # within the float32 tolerance of the policy's
+    gaps = [row["sync_check_gap"] for row in result.metrics]
+    assert all(0 <= gap < 1e-3 for gap in gaps), gaps

@@ -4,15 +4,20 @@ A batch becomes one coroutine per conversation on the backend's own event loop (
 thread, so the sync API works from scripts, notebooks and running loops alike). At most
 ``max_concurrency`` requests are in flight. A 429 or 5xx response, or a dropped connection, is
 retried with exponential backoff, waiting what a ``Retry-After`` header asks for when there is
-one. A request still failing past its retries becomes a failed :class:`Completion` (a value,
-so one bad request does not sink the batch); any other error response (a bad key, an unknown
-model) is a configuration problem and raises :class:`~agile_llmenvs.errors.BackendError`.
+one, up to the policy's longest wait. Each call has one deadline, ``timeout_s`` after it
+starts: its attempts (connect, send, read) and the waits between them together, so a server
+that trickles its reply, never answers, or asks to be retried in a day still ends the call in
+time. A request failing past its retries or its deadline becomes a failed :class:`Completion`
+(a value, so one bad request does not sink the batch); any other error response (a bad key,
+an unknown model) is a configuration problem and raises
+:class:`~agile_llmenvs.errors.BackendError`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import email.utils
+import math
 import os
 import random
 import threading
@@ -48,7 +53,8 @@ class RetryPolicy:
         max_retries: Retries after the first attempt; ``0`` never retries.
         initial_backoff_s: The wait before the first retry when the server names none.
         multiplier: Growth of the wait per further retry.
-        max_backoff_s: The longest computed wait (a ``Retry-After`` is honoured as given).
+        max_backoff_s: The longest wait, computed or asked for: a ``Retry-After`` above it
+            (or not a finite number) waits this long.
         jitter: Random extra wait, as a fraction of the computed wait.
     """
 
@@ -60,8 +66,8 @@ class RetryPolicy:
 
     def delay(self, retry: int, retry_after_s: float | None) -> float:
         """Seconds to wait before retry number ``retry`` (0-based)."""
-        if retry_after_s is not None:
-            return max(0.0, retry_after_s)
+        if retry_after_s is not None and not math.isnan(retry_after_s):
+            return min(self.max_backoff_s, max(0.0, retry_after_s))
         base = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier**retry)
         return base * (1.0 + self.jitter * random.random())
 
@@ -71,7 +77,8 @@ class APIConfig:
     """Settings of an API backend beyond its model, endpoint and concurrency.
 
     Attributes:
-        timeout_s: Per-request timeout.
+        timeout_s: The longest one call takes: every attempt (connect, send, read) and the
+            waits between retries together; past it the call is a failed completion.
         retry: The retry policy.
         default_headers: Extra HTTP headers on every request.
     """
@@ -292,25 +299,42 @@ class APIBackend(ABC):
         self, messages: Messages, tools: Tools | None, params: SamplingParams
     ) -> Completion:
         assert self._semaphore is not None
-        policy = self.config.retry
+        policy, loop = self.config.retry, asyncio.get_running_loop()
+        deadline: float | None = None  # timeout_s after the first attempt starts
+        last = "none finished"
         for retry in range(policy.max_retries + 1):
-            try:
-                async with self._semaphore:
-                    return await self._request(messages, tools, params)
-            except Exception as exc:
-                failure = self._translate(exc)
-                if failure is None:
-                    raise
-                if not failure.retryable:
-                    raise BackendError(
-                        f"{type(self).__name__} request for model {self.model!r} was refused "
-                        f"(HTTP {failure.status_code}): {failure.message}",
-                        status_code=failure.status_code,
-                    ) from exc
-                if retry == policy.max_retries:
-                    return Completion.failed(
-                        f"gave up after {retry + 1} attempts; last: HTTP "
-                        f"{failure.status_code}: {failure.message}"
+            async with self._semaphore:
+                if deadline is None:
+                    deadline = loop.time() + self.config.timeout_s
+                try:
+                    return await asyncio.wait_for(
+                        self._request(messages, tools, params), deadline - loop.time()
                     )
-                await asyncio.sleep(policy.delay(retry, failure.retry_after_s))
+                except TimeoutError:
+                    if loop.time() < deadline:  # not the deadline's: a client's own error
+                        raise
+                    return self._past_deadline(retry + 1, last)
+                except Exception as exc:
+                    failure = self._translate(exc)
+                    if failure is None:
+                        raise
+                    if not failure.retryable:
+                        raise BackendError(
+                            f"{type(self).__name__} request for model {self.model!r} was "
+                            f"refused (HTTP {failure.status_code}): {failure.message}",
+                            status_code=failure.status_code,
+                        ) from exc
+            last = f"HTTP {failure.status_code}: {failure.message}"
+            if retry == policy.max_retries:
+                return Completion.failed(f"gave up after {retry + 1} attempts; last: {last}")
+            wait = policy.delay(retry, failure.retry_after_s)
+            if loop.time() + wait >= deadline:  # the retry could not start in time
+                return self._past_deadline(retry + 1, f"{last}; the next retry after {wait:g} s")
+            await asyncio.sleep(wait)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _past_deadline(self, attempts: int, last: str) -> Completion:
+        return Completion.failed(
+            f"no answer within timeout_s={self.config.timeout_s:g} s, the deadline of the whole "
+            f"call ({attempts} attempt{'s' if attempts > 1 else ''}; last: {last})"
+        )

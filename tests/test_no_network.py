@@ -211,3 +211,77 @@ def test_quickstart_train_and_eval_make_no_network_call(
         example = ROOT / "manifests" / "eval" / "leg_counting.yaml"
         _run(["eval", str(example), "--limit", "4"], guarded_env, tmp_path)
     assert _attempts(guarded_env) == []
+
+
+WORD_GAME_LOADER = """\
+def load_textarena(game):
+    from verifiers.legacy.envs.integrations.textarena_env import TextArenaEnv
+
+    return TextArenaEnv(game=game, num_train_examples=2, num_eval_examples=1)
+"""
+
+
+def _word_game_manifest(folder: Path, name: str, game: str, *, via_verifiers: bool) -> Path:
+    env = (
+        f"  entrypoint: word_games:load_textarena\n"
+        f"  factory: agile_llmenvs.adapters.verifiers:make\n"
+        f"  env_config: {{game: {game}}}\n"
+        if via_verifiers
+        else f"  entrypoint: {game}\n  factory: agile_llmenvs.adapters.textarena:make\n"
+    )
+    path = folder / f"{name}.yaml"
+    path.write_text(f"name: {name}\nenv:\n  env_type: rollout\n{env}", encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("via_verifiers", [False, True], ids=["textarena", "verifiers"])
+def test_validating_word_games_never_downloads_nltk_data(
+    guarded_env: dict[str, str], tmp_path: Path, via_verifiers: bool
+) -> None:
+    """TextArena's word games call ``nltk.download`` when imported (and verifiers' TextArena
+    env when built), which fetches NLTK's index even for data already installed. ``validate``
+    builds them without a network call: data that is installed is used, data that is not is a
+    one-line error naming the fix."""
+    pytest.importorskip("textarena")
+    if via_verifiers:
+        pytest.importorskip("verifiers.legacy.envs.integrations.textarena_env")
+    (tmp_path / "word_games.py").write_text(WORD_GAME_LOADER, encoding="utf-8")
+    data = tmp_path / "nltk_data"  # NLTK's layout: the `words` corpus and the tagger's folder
+    (data / "corpora" / "words").mkdir(parents=True)
+    (data / "corpora" / "words" / "en").write_text("apple\nbanana\ncherry\n", encoding="utf-8")
+    (data / "corpora" / "words" / "en-basic").write_text("apple\nbanana\n", encoding="utf-8")
+    (data / "taggers" / "averaged_perceptron_tagger_eng").mkdir(parents=True)
+    env = {
+        **guarded_env,
+        "NLTK_DATA": str(data),
+        "HOME": str(tmp_path),  # no ~/nltk_data of this machine's
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), guarded_env["PYTHONPATH"]]),
+    }
+    # Hangman needs the `words` corpus, installed above: it builds, offline
+    hangman = _word_game_manifest(tmp_path, "hangman", "Hangman-v0", via_verifiers=via_verifiers)
+    out = _run(["validate", str(hangman)], env, tmp_path)
+    assert out.startswith(f"ok    {hangman}: run 'hangman': rollout env ")
+    # Wordle also needs the tagger's weights, which are not there: refused, naming the fix
+    wordle = _word_game_manifest(tmp_path, "wordle", "Wordle-v0", via_verifiers=via_verifiers)
+    (data / "taggers" / "averaged_perceptron_tagger_eng").rmdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "agile_llmenvs", "validate", str(wordle)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    who = (
+        "verifiers env 'word_games:load_textarena'"
+        if via_verifiers
+        else ("TextArena game 'Wordle-v0'")
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert (
+        f"  env.entrypoint: {who} needs the NLTK data 'averaged_perceptron_tagger_eng', which "
+        "is not installed: run python -m nltk.downloader averaged_perceptron_tagger_eng, or "
+        "set NLTK_DATA to a folder that holds it"
+    ) in done.stdout + done.stderr
+    assert _attempts(env) == []

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, cast
 
+from agile_llmenvs.adapters._nltk import nltk_offline
 from agile_llmenvs.backends.types import Backend, SamplingParams
 from agile_llmenvs.errors import EnvBuildError, EnvExecutionError, OptionalDependencyError
 
@@ -309,11 +310,13 @@ def make(
     Raises:
         OptionalDependencyError: ``textarena`` is not installed.
         EnvBuildError: TextArena has no game ``env_id``, refuses ``kwargs`` or ``num_players``,
-            or ``opponent`` names nothing callable or is an invalid backend config.
+            or ``opponent`` names nothing callable or is an invalid backend config; or the
+            game needs NLTK data that is not installed (it is never downloaded here).
     """
     try:
-        import textarena
-        from textarena.envs.registration import ENV_REGISTRY
+        with nltk_offline(f"TextArena game {env_id!r}"):  # its package imports word games
+            import textarena
+            from textarena.envs.registration import ENV_REGISTRY
     except ImportError as exc:
         raise OptionalDependencyError(
             "textarena", extra="envs", feature=f"the TextArena game {env_id!r}"
@@ -324,7 +327,10 @@ def make(
     if "game_max_turns" in kwargs:
         kwargs["max_turns"] = kwargs.pop("game_max_turns")
     try:
-        game = textarena.make(base_id, **kwargs)
+        with nltk_offline(f"TextArena game {env_id!r}"):
+            game = textarena.make(base_id, **kwargs)
+    except EnvBuildError:
+        raise
     except Exception as exc:
         raise EnvBuildError(
             f"TextArena could not build {env_id!r}: {type(exc).__name__}: {exc}"

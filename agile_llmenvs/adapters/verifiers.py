@@ -37,6 +37,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from agile_llmenvs.adapters._nltk import nltk_offline
 from agile_llmenvs.adapters.episode_loop import (
     Conversation,
     EpisodeLoop,
@@ -359,12 +360,13 @@ def make(
         ) from exc
     _build_off_the_main_thread(Environment)
     try:
-        if ":" in env_id:
-            found = load_entrypoint(env_id)
-            building = callable(found) and not isinstance(found, Environment)
-            env = found(**kwargs) if building else found
-        else:
-            env = verifiers.load_environment(env_id, **kwargs)
+        with nltk_offline(f"verifiers env {env_id!r}"):
+            if ":" in env_id:
+                found = load_entrypoint(env_id)
+                building = callable(found) and not isinstance(found, Environment)
+                env = found(**kwargs) if building else found
+            else:
+                env = verifiers.load_environment(env_id, **kwargs)
     except AgileLLMEnvsError:
         raise
     except Exception as exc:

@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from agile_llmenvs.adapters._nltk import nltk_offline
 from agile_llmenvs.adapters.episode_loop import (
     Conversation,
     EpisodeLoop,
@@ -429,8 +430,9 @@ def make_v1(
             f"got {env_id!r}"
         )
     try:
-        found = load_entrypoint(env_id)
-        env = found if isinstance(found, vf.Env) else found(**kwargs)
+        with nltk_offline(f"verifiers env {env_id!r}"):
+            found = load_entrypoint(env_id)
+            env = found if isinstance(found, vf.Env) else found(**kwargs)
     except AgileLLMEnvsError:
         raise
     except Exception as exc:

@@ -62,6 +62,14 @@ def find_checkpoint(output_dir: Path, *, report: bool = True) -> Checkpoint | No
         if report:
             logger.warning("ignoring %s: a checkpoint save that did not finish", partial)
     for step, directory in _published(output_dir):
+        if directory.is_symlink():  # not written by a run: never resumed from nor removed
+            if report:
+                logger.warning(
+                    "ignoring %s: a symbolic link (to %s), not a checkpoint this run wrote",
+                    directory,
+                    os.readlink(directory),
+                )
+            continue
         manifest, problem = _read_verified(directory)
         if manifest is not None:
             return Checkpoint(directory, step, int(manifest["world_size"]))
@@ -79,6 +87,8 @@ def publish_checkpoint(partial: Path, final: Path, *, step: int, world_size: int
     manifest = {"step": step, "world_size": world_size, "files": files}
     (partial / CHECKPOINT_MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     _fsync(partial / CHECKPOINT_MANIFEST)
+    if final.is_symlink():  # a link someone put there: replaced, what it points at kept
+        final.unlink()
     if final.exists():  # the same step saved again (a resumed run that was already done)
         stale = final.with_name(final.name + STALE_SUFFIX)
         shutil.rmtree(stale, ignore_errors=True)
@@ -95,8 +105,13 @@ def publish_checkpoint(partial: Path, final: Path, *, step: int, world_size: int
 
 
 def prune_checkpoints(output_dir: Path, keep: int) -> None:
-    """Remove all but the newest ``keep`` complete checkpoints."""
-    complete = [d for _, d in _published(output_dir) if _read_verified(d)[0] is not None]
+    """Remove all but the newest ``keep`` complete checkpoints (a symbolic link named as a
+    checkpoint is no checkpoint of the run's: neither kept nor removed)."""
+    complete = [
+        d
+        for _, d in _published(output_dir)
+        if not d.is_symlink() and _read_verified(d)[0] is not None
+    ]
     for directory in complete[keep:]:
         shutil.rmtree(directory)
 

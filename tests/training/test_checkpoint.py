@@ -237,3 +237,29 @@ def test_an_fsdp2_checkpoint_round_trips_weights_and_adamw_state(
     assert torch.equal(continued, resumed)  # and AdamW's moments: the next step agrees
     # the checkpoint is a plain Hugging Face model folder, loadable without FSDP
     AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-1" / "model")
+
+
+def test_a_symlink_named_as_a_checkpoint_is_neither_resumed_from_nor_removed(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from agile_llmenvs.weights import prune_checkpoints
+
+    elsewhere = _save(tiny_model_dir, tmp_path / "elsewhere", step=9)  # a complete checkpoint
+    kept = sorted(p.name for p in elsewhere.iterdir())
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint-9").symlink_to(elsewhere, target_is_directory=True)
+    (run / "checkpoint-1").symlink_to(elsewhere, target_is_directory=True)
+    _save(tiny_model_dir, run, step=2)
+    newest = _save(tiny_model_dir, run, step=3)
+    with caplog.at_level(logging.WARNING):
+        found = find_checkpoint(run)
+    assert found is not None and found.directory == newest  # not the link's step 9
+    assert f"ignoring {run / 'checkpoint-9'}: a symbolic link (to {elsewhere})" in caplog.text
+    prune_checkpoints(run, keep=1)  # rotation: checkpoint-2 goes, the links stay
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-1", "checkpoint-3", "checkpoint-9"]
+    assert sorted(p.name for p in elsewhere.iterdir()) == kept
+    # a save of a step a link is named for replaces the link, not what it points at
+    saved = _save(tiny_model_dir, run, step=1)
+    assert not saved.is_symlink() and (saved / "manifest.json").is_file()
+    assert sorted(p.name for p in elsewhere.iterdir()) == kept

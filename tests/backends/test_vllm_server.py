@@ -41,7 +41,8 @@ class FakeServer:
     prompt's first id, after ``delay_s``; it records the prompts it got."""
 
     def __init__(self, delay_s: float = 0.0, answer: str = "right") -> None:
-        self.delay_s, self.answer = delay_s, answer  # "right", "garbage" JSON or "html"
+        # "right", "garbage" JSON, "html", or "hang" (weight syncs are never answered)
+        self.delay_s, self.answer = delay_s, answer
         self.prompts: list[list[int]] = []
         self.bodies: list[dict[str, Any]] = []
         self.port = free_port()
@@ -82,6 +83,9 @@ class FakeServer:
 
     async def _rpc(self, request: web.Request) -> web.Response:
         self.bodies.append(await request.json())
+        if self.answer == "hang":  # until the server closes
+            self._hung = asyncio.Event()
+            await self._hung.wait()
         if self.answer != "right":
             return self._wrong()
         return web.json_response({"results": [None]})
@@ -103,6 +107,9 @@ class FakeServer:
         self._loop.run_forever()
 
     def close(self) -> None:
+        hung = getattr(self, "_hung", None)
+        if hung is not None:
+            self._loop.call_soon_threadsafe(hung.set)
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
@@ -272,6 +279,29 @@ def test_an_html_200_from_collective_rpc_fails_the_sync_there(
     alone = fake_backend([fakes(answer="html").url])
     with pytest.raises(GenerationServerError, match="not JSON"):
         alone.load_weights_from(tmp_path, version=1)
+    assert alone.version == 0
+    alone.close()
+
+
+def test_a_sync_to_a_server_that_never_answers_ends_within_timeout_s(
+    fakes: Callable[..., FakeServer], tmp_path: Path
+) -> None:
+    """A reload that hangs is a failed one, after ``timeout_s``: beside a server that takes
+    it, the silent one is retired; alone, the sync fails naming it, the version kept."""
+    silent, right = fakes(answer="hang"), fakes()
+    backend = fake_backend([silent.url, right.url], timeout_s=1.0)
+    start = time.monotonic()
+    assert backend.load_weights_from(tmp_path, version=1) == (silent.url,)
+    assert time.monotonic() - start < 3.0
+    assert (backend.version, backend.urls) == (1, (right.url,))
+    backend.close()
+    alone = fake_backend([fakes(answer="hang").url], timeout_s=1.0)
+    start = time.monotonic()
+    with pytest.raises(GenerationServerError) as raised:
+        alone.load_weights_from(tmp_path, version=1)
+    assert time.monotonic() - start < 3.0
+    assert raised.value.url == alone.urls[0]
+    assert "did not answer within timeout_s=1 s" in str(raised.value)
     assert alone.version == 0
     alone.close()
 

@@ -254,12 +254,14 @@ def test_a_symlink_named_as_a_checkpoint_is_neither_resumed_from_nor_removed(
     newest = _save(tiny_model_dir, run, step=3)
     with caplog.at_level(logging.WARNING):
         found = find_checkpoint(run)
-    assert found is not None and found.directory == newest  # not the link's step 9
+    assert found is not None
+    assert found.directory == newest  # not the link's step 9
     assert f"ignoring {run / 'checkpoint-9'}: a symbolic link (to {elsewhere})" in caplog.text
     prune_checkpoints(run, keep=1)  # rotation: checkpoint-2 goes, the links stay
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint-1", "checkpoint-3", "checkpoint-9"]
     assert sorted(p.name for p in elsewhere.iterdir()) == kept
     # a save of a step a link is named for replaces the link, not what it points at
     saved = _save(tiny_model_dir, run, step=1)
-    assert not saved.is_symlink() and (saved / "manifest.json").is_file()
+    assert not saved.is_symlink()
+    assert (saved / "manifest.json").is_file()
     assert sorted(p.name for p in elsewhere.iterdir()) == kept

@@ -150,7 +150,8 @@ class TextArenaEnv:
             move; :data:`DEFAULT_MAX_TURNS` when the game declares no limit.
         num_players: The game's players (the policy and its opponents).
         max_action_chars: The most characters of a reply the game parses: a longer one is
-            cut to its last ``max_action_chars`` (where a reasoning reply writes its move).
+            cut to its last ``max_action_chars`` (where a reasoning reply writes its move);
+            an opponent's reply too.
             Games parse moves with regular expressions that backtrack: ConnectFour took 19 s
             on a 32,000-character ``[[[...`` reply, 77 s on 64,000.
     """
@@ -225,7 +226,9 @@ class TextArenaEnv:
         state = self.game.state
         while not state.done and state.current_player_id != self.player_id:
             opponent_id = state.current_player_id
-            move = self.opponent(self._new_messages(opponent_id))
+            # an opponent's reply is cut as the policy's is: a model opponent answering 1 MB
+            # neither stalls the game's parser nor fills the episode's info
+            move = self.opponent(self._new_messages(opponent_id))[-self.max_action_chars :]
             moves.append(move)
             with self._own_random():
                 self.game.step(action=move)

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -343,3 +344,30 @@ def test_a_reply_longer_than_max_action_chars_reaches_the_game_cut_to_its_end() 
     assert parsed[0].endswith("[col 3]")
     assert env.max_action_chars == 2000
     assert make("ConnectFour-v0", max_action_chars=50).max_action_chars == 50
+
+
+def test_an_opponent_answering_a_megabyte_is_cut_as_the_policy_is() -> None:
+    """A model opponent that answers 1 MB: the game parses its last ``max_action_chars``
+    characters (its move), and the episode's info keeps no more than that."""
+    junk = "[" * 1_000_000
+
+    def verbose(observation: str) -> str:
+        return f"{junk} my move: [col 0]"
+
+    env = make("ConnectFour-v0", opponent=verbose)
+    parsed: list[str] = []
+    real = env.game.step
+
+    def step(action: str) -> Any:
+        parsed.append(action)
+        return real(action=action)
+
+    env.game.step = step  # type: ignore[method-assign]
+    env.reset(seed=0)
+    start = time.monotonic()
+    _, _, _, _, info = env.step("[col 3]")
+    assert time.monotonic() - start < 5.0
+    [move] = info["opponent_moves"]
+    assert len(move) == 2000
+    assert move == f"{junk} my move: [col 0]"[-2000:]
+    assert parsed == ["[col 3]", move]

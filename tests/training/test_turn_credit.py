@@ -464,3 +464,84 @@ def test_turn_mc_on_two_processes_values_each_ranks_states(
     # 4 groups of 2 over 2 ranks: 8 episodes of 3 turns, s_1 and s_2 of each valued
     assert [float(row["credit_states"]) for row in rows] == [16.0, 16.0]
     assert [float(row["credit_fallback_episodes"]) for row in rows] == [0.0, 0.0]
+
+
+KILLED_DURING_CREDIT = """
+import os, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from branch_envs import door_manifest
+from agile_llmenvs.training import train_grpo
+from agile_llmenvs.training.grpo import loop
+
+def held(checkpoints, *args):
+    Path(sys.argv[3]).write_text(str(checkpoints._strategy._zygote.pid))
+    time.sleep(600)  # killed here, the states' holders alive
+
+loop.estimate_values = held
+manifest = door_manifest(
+    Path(sys.argv[2]), Path(sys.argv[3]).parent / "run", "ForkedDoorEnv", credit="turn_mc",
+    credit_rollouts=2,
+)
+train_grpo(manifest)
+"""
+
+
+def _marked_processes(marker: str) -> list[int]:
+    """The live processes whose environment holds ``marker`` (zombies are not alive)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in environ and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_trainer_killed_during_a_credit_step_leaves_no_process_behind(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """kill -9 of the trainer while ProcessFork holds a step's states: the zygote and every
+    holder see their sockets close and exit; nothing is left running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    marker = f"AGILE_LLMENVS_TEST_MARK={uuid.uuid4().hex}"
+    ready = tmp_path / "zygote.pid"
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1], "HF_HUB_OFFLINE": "1"}
+    tests = str(Path(__file__).resolve().parents[1])
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", KILLED_DURING_CREDIT, tests, str(tiny_model_dir), str(ready)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not ready.exists() and trainer.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ready.exists(), trainer.stderr.read().decode()[-3000:] if trainer.stderr else ""
+        helpers = [p for p in _marked_processes(marker) if p != trainer.pid]
+        assert int(ready.read_text()) in helpers  # the zygote, and the holders it forked
+        assert len(helpers) >= 2
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait(30)
+        deadline = time.monotonic() + 15
+        while _marked_processes(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _marked_processes(marker) == []
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        for pid in _marked_processes(marker):
+            os.kill(pid, signal.SIGKILL)

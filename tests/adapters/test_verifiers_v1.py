@@ -296,3 +296,59 @@ def test_an_env_builds_and_plays_off_the_main_thread() -> None:
     worker.start()
     worker.join(timeout=60)
     assert played == ["What is 2 + 3?", 1.0]
+
+
+def test_another_process_cannot_reach_the_rollouts_interception_server() -> None:
+    """The interception server listens on 127.0.0.1, where any user of the machine can
+    connect. Each rollout's model and state calls carry a secret of their own (verifiers'
+    bearer per rollout): a caller without it gets 401 on every route, the policy is not
+    asked, and the episode goes on as if nothing came. (The server runs on the env's loop,
+    which runs while the env steps: the callers are answered during the next step.)"""
+    import urllib.error
+    import urllib.request
+
+    env = make("verifiers_v1_envs:load_multi_turn")
+    assert isinstance(env, VerifiersV1Env)
+    codes: dict[tuple[str, str, str], int] = {}
+
+    def call(method: str, path: str, body: bytes | None, bearer: str) -> None:
+        request = urllib.request.Request(base + path, data=body, method=method)
+        request.add_header("Content-Type", "application/json")
+        if bearer:
+            request.add_header("Authorization", bearer)
+        try:
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                codes[method, path, bearer] = reply.status
+        except urllib.error.HTTPError as refused:
+            codes[method, path, bearer] = refused.code
+
+    try:
+        question, _ = env.reset(row_index=0)  # the episode waits for the policy's reply
+        base = env.env._interception.base_url
+        assert base.startswith("http://127.0.0.1:")
+        chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        calls = [
+            ("POST", "/v1/chat/completions", chat.encode()),
+            ("POST", "/chat/completions", chat.encode()),
+            ("GET", "/task", None),
+            ("GET", "/state", None),
+            ("PUT", "/state", b"{}"),
+            ("POST", "/tool", b"{}"),
+        ]
+        callers = [
+            threading.Thread(target=call, args=(method, path, body, bearer))
+            for bearer in ("", "Bearer not-the-secret")
+            for method, path, body in calls
+        ]
+        for caller in callers:
+            caller.start()
+        # the policy's first reply plays the episode's first turn, whatever else came
+        answer = oracle(question)
+        assert env.step(answer)[:3] == ("Check again: what is the sum?", 0.0, False)
+        assert env.step(answer)[1:3] == (1.0, True)
+        for caller in callers:
+            caller.join(60)
+        assert len(codes) == len(callers)
+        assert set(codes.values()) <= {401, 404}, codes
+    finally:
+        env.close()

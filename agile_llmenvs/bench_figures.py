@@ -346,6 +346,33 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
             "{default_busy.wall_s} s vs {auto_busy.wall_s} s automatic",
         ),
     ),
+    "slow_clients": (
+        Figure(
+            "guarded_slowloris_open",
+            "our ASGI app under uvicorn with `uvicorn_limits`: connections sending request "
+            "headers a byte a second, still open at the end",
+            unit="",
+            target=_at_most(0),
+            detail="of {slow} after {hold_s} s; plain uvicorn {asgi.slowloris_open}, "
+            "`agile-llmenvs serve` {ours.slowloris_open}",
+        ),
+        Figure(
+            "guarded_slow_body_open",
+            "the same, connections sending a body a byte a second",
+            unit="",
+            target=_at_most(0),
+            detail="of {slow}; plain uvicorn {asgi.slow_body_open}, `agile-llmenvs serve` "
+            "{ours.slow_body_open}",
+        ),
+        Figure(
+            "guarded_flood_open",
+            "the same, connections that send nothing",
+            unit="",
+            target=_at_most(0),
+            detail="of {idle}; plain uvicorn {asgi.flood_open}, `agile-llmenvs serve` "
+            "{ours.flood_open}",
+        ),
+    ),
     "sync_check": (
         Figure(
             "auto_share",

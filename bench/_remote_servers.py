@@ -1,4 +1,6 @@
-"""Servers for bench/remote_env.py, each run in its own process: ``python _remote_servers.py KIND``.
+"""Servers for bench/remote_env.py and bench/slow_clients.py, each run in its own process:
+``python _remote_servers.py KIND`` (``floor``, ``openenv``, ``ours``, ``asgi``,
+``asgi_guarded``).
 
 Prints the port on stdout once listening, then serves until killed.
 """
@@ -76,6 +78,22 @@ def _ours(port: int) -> None:
         time.sleep(3600)
 
 
+def _asgi(port: int, *, guarded: bool) -> None:
+    """Our ASGI app under uvicorn: plain, or with ``agile-llmenvs serve``'s request deadline
+    and connection cap (:mod:`agile_llmenvs.transport.uvicorn_limits`)."""
+    import uvicorn
+
+    from agile_llmenvs.transport import create_asgi_app
+    from agile_llmenvs.transport.uvicorn_limits import guarded_uvicorn_settings
+
+    app = create_asgi_app(make_env=BenchEnv, max_concurrent_envs=256)
+    limits = guarded_uvicorn_settings() if guarded else {}
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **limits)
+    server = uvicorn.Server(config)
+    print(port, flush=True)
+    server.run()
+
+
 if __name__ == "__main__":
     kind, port = sys.argv[1], _free_port()
     if kind == "floor":
@@ -85,5 +103,7 @@ if __name__ == "__main__":
             runner.run(_echo(port))
     elif kind == "openenv":
         _openenv(port)
+    elif kind in ("asgi", "asgi_guarded"):
+        _asgi(port, guarded=kind == "asgi_guarded")
     else:
         _ours(port)

@@ -304,6 +304,24 @@ def _policy_client() -> Any:
     return PolicyClient()
 
 
+def _load(verifiers: Any, environment: type, env_id: str, kwargs: dict[str, Any]) -> Any:
+    """What ``env_id`` (an installed id, or a ``module:attr``) builds, without NLTK's
+    downloader reaching the network."""
+    try:
+        with nltk_offline(f"verifiers env {env_id!r}"):
+            if ":" not in env_id:
+                return verifiers.load_environment(env_id, **kwargs)
+            found = load_entrypoint(env_id)
+            building = callable(found) and not isinstance(found, environment)
+            return found(**kwargs) if building else found
+    except AgileLLMEnvsError:
+        raise
+    except Exception as exc:
+        raise EnvBuildError(
+            f"verifiers could not load {env_id!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 def make(
     env_id: str,
     *,
@@ -359,20 +377,7 @@ def make(
             'or "agile-llmenvs[verifiers-v1]" (0.4)'
         ) from exc
     _build_off_the_main_thread(Environment)
-    try:
-        with nltk_offline(f"verifiers env {env_id!r}"):
-            if ":" in env_id:
-                found = load_entrypoint(env_id)
-                building = callable(found) and not isinstance(found, Environment)
-                env = found(**kwargs) if building else found
-            else:
-                env = verifiers.load_environment(env_id, **kwargs)
-    except AgileLLMEnvsError:
-        raise
-    except Exception as exc:
-        raise EnvBuildError(
-            f"verifiers could not load {env_id!r}: {type(exc).__name__}: {exc}"
-        ) from exc
+    env = _load(verifiers, Environment, env_id, kwargs)
     if not isinstance(env, Environment):
         preview = sys.modules.get("verifiers.v1")
         if preview is not None and isinstance(env, getattr(preview, "Env", ())):

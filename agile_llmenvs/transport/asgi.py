@@ -83,9 +83,13 @@ def create_asgi_app(
     keeps the rest, ``/ws`` sessions included. None reads ``OPENENV_MODE`` (default
     ``"simulation"``), as ``create_app`` does.
 
-    Run it with ``uvicorn module:app`` (``app = create_asgi_app(make_env=MyEnv)`` in
-    ``module``); uvicorn's own WebSocket ping and size limits apply (``--ws-max-size``,
-    ``--ws-ping-interval``), ``settings``' timeouts and message limit as on our server.
+    Run it with ``uvicorn module:app --http
+    agile_llmenvs.transport.uvicorn_limits:GuardedH11Protocol --limit-concurrency 1024``
+    (``app = create_asgi_app(make_env=MyEnv)`` in ``module``): plain uvicorn lets a client
+    take as long as it likes to send a request (:mod:`~agile_llmenvs.transport.uvicorn_limits`
+    gives it our server's deadline). uvicorn's own WebSocket ping and size limits apply
+    (``--ws-max-size``, ``--ws-ping-interval``), ``settings``' timeouts and message limit as
+    on our server.
     The websockets-based :class:`OpenEnvServer` stays the faster way to serve.
 
     Raises:

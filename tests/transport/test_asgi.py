@@ -267,8 +267,15 @@ def test_uvicorn_module_app_serves_a_remote_env_client(tmp_path: Path) -> None:
             str(port),
             "--log-level",
             "warning",
+            # the documented command: the request deadline (here 1 s) and connection cap
+            "--http",
+            "agile_llmenvs.transport.uvicorn_limits:GuardedH11Protocol",
+            "--limit-concurrency",
+            "64",
+            "--timeout-keep-alive",
+            "5",
         ],
-        env=env,
+        env={**env, "AGILE_LLMENVS_REQUEST_TIMEOUT_S": "1"},
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -296,6 +303,11 @@ def test_uvicorn_module_app_serves_a_remote_env_client(tmp_path: Path) -> None:
         status, schema = urllib_ask(url)("GET", "/openapi.json", None, {})
         assert status == 200
         assert "/step" in schema["paths"]
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as silent:
+            silent.sendall(b"GET /health HTTP/1.1\r\n")  # and never the rest
+            start = time.monotonic()
+            assert silent.recv(1) == b""  # closed by the server at the deadline
+            assert 0.8 < time.monotonic() - start < 3.0
     finally:
         proc.terminate()
         try:

@@ -41,16 +41,18 @@ class ServedProcess:
 
 
 class UvicornApp:
-    """An ASGI app (OpenEnv's own ``create_app``) served by uvicorn on 127.0.0.1, in a daemon
-    thread; a context manager that stops it on exit."""
+    """An ASGI app (OpenEnv's own ``create_app``, or ours) served by uvicorn on 127.0.0.1, in
+    a daemon thread, with ``uvicorn.Config`` ``settings``; a context manager that stops it on
+    exit."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, **settings: Any) -> None:
         import uvicorn
 
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **settings))
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
         )

@@ -10,7 +10,6 @@ import contextlib
 import http.client
 import json
 import socket
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 from echo_envs import EchoEnv
+from serving import UvicornApp
 
 pytest.importorskip("uvicorn")
 
@@ -30,40 +30,13 @@ from agile_llmenvs.transport.uvicorn_limits import (
 DEADLINE_S = 1.0
 
 
-class Served:
-    """``app`` under uvicorn on 127.0.0.1 in a thread, with ``settings``."""
-
-    def __init__(self, app: Any, settings: dict[str, Any]) -> None:
-        import uvicorn
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", **settings)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
-        )
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert self.server.started
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
-
-
 @pytest.fixture
 def serve() -> Iterator[Any]:
-    started: list[Served] = []
+    started: list[UvicornApp] = []
 
-    def start(settings: dict[str, Any]) -> Served:
+    def start(settings: dict[str, Any]) -> UvicornApp:
         app = create_asgi_app(make_env=EchoEnv, max_concurrent_envs=4)
-        started.append(Served(app, settings))
+        started.append(UvicornApp(app, **settings))
         return started[-1]
 
     yield start

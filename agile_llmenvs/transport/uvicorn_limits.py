@@ -13,7 +13,9 @@ request (headers and body) must arrive within :attr:`~GuardedH11Protocol.request
 (10 s; ``$AGILE_LLMENVS_REQUEST_TIMEOUT_S`` sets it), or the connection is closed. The
 deadline stops once the request is in: an env call may take as long as the server's own
 timeouts allow, and a WebSocket session is the session code's (``first_message_timeout_s``,
-idle reaping). Serve with::
+idle reaping). It also keeps a ``?token=...`` out of uvicorn's access log
+(:class:`RedactTokens`: the value is written ``***``), where a URL's query string would
+otherwise put the server's secret. Serve with::
 
     uvicorn module:app --http agile_llmenvs.transport.uvicorn_limits:GuardedH11Protocol \\
         --limit-concurrency 1024 --timeout-keep-alive 5
@@ -24,7 +26,9 @@ or from Python, :func:`serve_asgi` (the same settings).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import re
 from typing import Any
 
 import h11
@@ -34,6 +38,7 @@ __all__ = [
     "DEFAULT_LIMIT_CONCURRENCY",
     "DEFAULT_REQUEST_TIMEOUT_S",
     "GuardedH11Protocol",
+    "RedactTokens",
     "guarded_uvicorn_settings",
     "serve_asgi",
 ]
@@ -44,6 +49,30 @@ DEFAULT_REQUEST_TIMEOUT_S = 10.0
 DEFAULT_LIMIT_CONCURRENCY = 1024
 #: What h11 says of a client whose request is fully in (or that left HTTP).
 _REQUEST_IN = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.SWITCHED_PROTOCOL, h11.ERROR)
+
+
+_TOKEN_IN_QUERY = re.compile(r"([?&]token=)[^&\s\"]*")
+
+
+class RedactTokens(logging.Filter):
+    """A logging filter that writes ``token=***`` for the value of every ``token=`` in a
+    URL's query string of a record's message and arguments."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                _TOKEN_IN_QUERY.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args
+            )
+        if isinstance(record.msg, str):
+            record.msg = _TOKEN_IN_QUERY.sub(r"\1***", record.msg)
+        return True
+
+
+def _redact_access_log() -> None:
+    """Put :class:`RedactTokens` on uvicorn's access log (once)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactTokens) for f in access.filters):
+        access.addFilter(RedactTokens())
 
 
 def _request_timeout_s() -> float:
@@ -71,6 +100,7 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
+        _redact_access_log()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

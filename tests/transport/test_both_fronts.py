@@ -40,6 +40,11 @@ def url(request: pytest.FixtureRequest) -> Iterator[str]:
         yield served.url
 
 
+def _reset(ws: Any) -> Any:
+    ws.send(json.dumps({"type": "reset", "data": {}}))
+    return json.loads(ws.recv(timeout=10))
+
+
 def _ws(url: str) -> str:
     return url.replace("http://", "ws://")
 
@@ -103,8 +108,7 @@ def test_a_session_past_capacity_is_refused_and_the_first_plays_on(url: str) -> 
         assert json.loads(first.recv(timeout=10))["type"] == "observation"
         with connect(_ws(url) + "/ws", additional_headers=GOOD) as second:
             with pytest.raises(ConnectionClosedError) as closed:  # closed at once
-                second.send(json.dumps({"type": "reset", "data": {}}))
-                second.recv(timeout=10)
+                _reset(second)
             assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1013, "at capacity")
         first.send(json.dumps({"type": "step", "data": {"message": "hi"}}))
         assert json.loads(first.recv(timeout=10))["type"] == "observation"

@@ -151,3 +151,36 @@ def test_the_settings_refuse_what_cannot_work() -> None:
         guarded_uvicorn_settings(request_timeout_s=0)
     with pytest.raises(ValueError, match="limit_concurrency must be at least 1, got 0"):
         guarded_uvicorn_settings(limit_concurrency=0)
+
+
+def test_a_token_in_a_url_stays_out_of_the_access_log() -> None:
+    """``/docs?token=...`` is how a person opens the docs page (which passes the token on to
+    ``/openapi.json``); uvicorn's access log writes each request's URL. The guarded protocol
+    writes ``token=***`` there."""
+    import logging
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    app = create_asgi_app(make_env=EchoEnv, token="s3cret-value")
+    access, lines = logging.getLogger("uvicorn.access"), Lines()
+    with UvicornApp(app, **guarded_uvicorn_settings()) as served:
+        level = access.level
+        access.setLevel(logging.INFO)  # the fixture's uvicorn logs warnings only
+        access.addHandler(lines)
+        try:
+            for path in ("/docs?token=s3cret-value", "/openapi.json?x=1&token=s3cret-value"):
+                with urllib.request.urlopen(served.url + path, timeout=5) as reply:
+                    assert reply.status == 200
+        finally:
+            access.removeHandler(lines)
+            access.setLevel(level)
+    assert len(lines.lines) == 2
+    assert not any("s3cret-value" in line for line in lines.lines)
+    assert '"GET /docs?token=*** HTTP/1.1" 200' in lines.lines[0]
+    assert '"GET /openapi.json?x=1&token=*** HTTP/1.1" 200' in lines.lines[1]

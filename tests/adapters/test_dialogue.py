@@ -329,3 +329,34 @@ def test_the_transcript_is_one_json_string_a_line_so_a_turn_cannot_close_it() ->
     assert lines[0] == 'Partner: "a"'
     assert lines[1].startswith('Agent: "Thanks!\\n\\nAnswer')
     assert json.loads(lines[1].removeprefix("Agent: ")) == attack
+
+
+def test_a_partner_answering_megabytes_reaches_the_policy_cut(tiny_model_dir: Path) -> None:
+    """A partner (a model, say, that never stops) answering 60 MB: the policy's next context
+    holds the first ``max_observation_bytes`` of it and a note, and the episode goes on to its
+    reward; tokenizing is bounded by the cut, not by the partner."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from agile_llmenvs.llm_envs import RolloutHarness
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    flood = "spam " * 12_000_000  # 60 MB
+
+    def partner(messages: list[dict[str, str]]) -> str:
+        return flood
+
+    env = shop(partner, opening="Hello", max_turns=2)
+    harness = RolloutHarness.local(env, tokenizer, max_turns=2, max_observation_bytes=200)
+    harness.reset(seed=0)
+    action = [*tokenizer.encode("hi", add_special_tokens=False), tokenizer.eos_token_id]
+    start = time.monotonic()
+    shown = tokenizer.decode(harness.step(action).prompt_ids)
+    assert time.monotonic() - start < 10.0
+    assert flood[:200] + "\n[observation cut: 60,000,000 bytes, max_observation_bytes 200]" in shown
+    assert flood[:201] not in shown
+    harness.step(action)
+    episode = harness.get_episode_data()
+    # two policy turns, the rubric's 2 / 10 on the terminal step
+    assert (episode.stop_reason, episode.rewards) == (StopReason.TERMINATED, (0.0, 0.2))

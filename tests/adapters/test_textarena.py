@@ -371,3 +371,27 @@ def test_an_opponent_answering_a_megabyte_is_cut_as_the_policy_is() -> None:
     assert len(move) == 2000
     assert move == f"{junk} my move: [col 0]"[-2000:]
     assert parsed == ["[col 3]", move]
+
+
+def test_an_opponent_whose_backend_fails_fails_the_step_naming_it() -> None:
+    """An API opponent past its retries or deadline returns a failed completion: the step
+    raises ``EnvExecutionError`` (the collector ends that episode as an env error; the
+    others play on), never a move made of the error text."""
+    from agile_llmenvs.backends import Completion
+    from agile_llmenvs.errors import EnvExecutionError
+
+    class Down:
+        def generate_chat(self, messages: Any, params: Any) -> Completion:
+            return Completion.failed("no answer within timeout_s=3 s, the deadline of the call")
+
+        def close(self) -> None:
+            pass
+
+    env = make("TicTacToe-v0", opponent=Down())
+    env.reset(seed=0)
+    with pytest.raises(EnvExecutionError) as raised:
+        env.step("[4]")
+    assert str(raised.value) == (
+        "textarena: the opponent's backend failed: no answer within timeout_s=3 s, the "
+        "deadline of the call"
+    )

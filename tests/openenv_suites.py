@@ -38,6 +38,7 @@ SUITES = (
     "tests/core/test_production_mode_routes.py",
     "tests/core/test_mode_selection.py",
     "tests/core/test_simulation_mode_preserves_api.py",
+    "tests/core/test_types_and_enums.py",
     "tests/envs/test_websockets.py",
 )
 #: The envs ``test_websockets.py`` imports and serves.
@@ -150,19 +151,20 @@ def install() -> None:
         )
 
     def register_routes(self: Any, app: Any, mode: Any = "simulation") -> None:
-        # the server object was built (and its arguments checked) by OpenEnv; our app
-        # takes every path of the FastAPI app it is mounted on
-        served = ours(
-            self._env_factory,
-            self.action_cls,
-            self.observation_cls,
-            max_concurrent_envs=self._max_concurrent_envs,
-            concurrency_config=None,
+        # the server object was built (and its arguments checked) by OpenEnv; our routes
+        # join the FastAPI app's own, as OpenEnv's do
+        from agile_llmenvs.transport import register_routes as ours_on
+
+        ours_on(
+            app,
+            make_env=self._env_factory,
+            action_cls=self.action_cls,
+            observation_cls=self.observation_cls,
+            max_concurrent_envs=self._max_concurrent_envs or 1,
             env_name=self.env_name,
             state_cls=self.state_cls,
             mode=mode,
         )
-        app.mount("/", served)
 
     http_server.create_fastapi_app = create_fastapi_app
     http_server.create_app = create_app

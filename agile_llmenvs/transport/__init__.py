@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from agile_llmenvs.transport.app_routes import register_routes
 from agile_llmenvs.transport.asgi import create_asgi_app
 from agile_llmenvs.transport.client import EnvClientProtocol, InProcessEnvClient
 from agile_llmenvs.transport.remote import ClientState, RemoteEnvClient
@@ -25,4 +26,5 @@ __all__ = [
     "TextObservation",
     "TextState",
     "create_asgi_app",
+    "register_routes",
 ]

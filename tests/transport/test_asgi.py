@@ -364,3 +364,41 @@ def test_http_bodies_over_the_message_limit_are_refused() -> None:
         assert reply.json() == {"detail": "Body of 2000 bytes exceeds 1000"}
         streamed = client.post("/step", content=iter([b"x" * 600, b"x" * 600]))
         assert streamed.status_code == 413
+
+
+@pytest.mark.parametrize("mode", ["simulation", "production"])
+def test_register_routes_adds_ours_beside_the_apps_own(mode: str) -> None:
+    """As OpenEnv's ``register_routes(app, mode=...)``: the routes join the user's FastAPI
+    app (``app.routes`` lists them), whose own routes and docs stay its own; production mode
+    adds no simulation controls."""
+    fastapi = pytest.importorskip("fastapi")
+    from agile_llmenvs.transport import register_routes
+
+    app = fastapi.FastAPI()
+
+    @app.get("/hello")
+    def hello() -> dict[str, str]:
+        return {"hello": "world"}
+
+    served = register_routes(app, make_env=EchoEnv, token="s3cret", mode=mode)
+    paths = {getattr(route, "path", None) for route in app.routes}
+    assert {"/hello", "/health", "/schema", "/metadata", "/ws", "/mcp", "/docs"} <= paths
+    assert ({"/reset", "/step", "/state"} <= paths) == (mode == "simulation")
+    good = {"Authorization": "Bearer s3cret"}
+    with testclient.TestClient(app) as client:
+        assert client.get("/hello").json() == {"hello": "world"}
+        assert client.get("/health").json() == {"status": "healthy"}
+        assert client.get("/schema").status_code == 403  # our token guards our routes
+        assert client.get("/schema", headers=good).status_code == 200
+        assert "/hello" in client.get("/openapi.json").json()["paths"]  # FastAPI's own docs
+        with client.websocket_connect("/ws", headers=good) as ws:
+            ws.send_text(json.dumps({"type": "reset", "data": {"seed": 3}}))
+            assert json.loads(ws.receive_text())["data"]["observation"]["prompt"] == (
+                "start seed=3"
+            )
+        if mode == "simulation":
+            reset = client.post("/reset", json={"seed": 7}, headers=good)
+            assert reset.json()["observation"]["prompt"] == "start seed=7"
+        else:
+            assert client.post("/reset", json={}, headers=good).status_code in (404, 405)
+    assert served.active_sessions == 0  # the app's shutdown closed ours

@@ -35,9 +35,11 @@ from agile_llmenvs.transport._openenv import (
 )
 from agile_llmenvs.transport.env_pool import EnvPool
 from agile_llmenvs.transport.http import SERVER_ERROR, HttpRequest, HttpResponse
+from agile_llmenvs.transport.http_bodies import body_model
 from agile_llmenvs.transport.mcp import mcp_error, mcp_reply, parse_rpc
 from agile_llmenvs.transport.mcp_sessions import McpSessions
 from agile_llmenvs.transport.protocol import strict_json_loads, validation_errors
+from agile_llmenvs.transport.task_api import TaskRoutes
 
 __all__ = [
     "SIMULATION_PATHS",
@@ -73,6 +75,7 @@ class HttpRoutes:
         self.pool = pool
         self.mode: ServerMode = mode
         self.mcp_sessions = McpSessions(pool)
+        self.tasks = TaskRoutes(self)
         self._metadata: dict[str, Any] | None = None
 
     def serves(self, path: str) -> bool:
@@ -86,6 +89,8 @@ class HttpRoutes:
         if not self.serves(path):
             return _NOT_FOUND
         try:
+            if self.tasks.serves("GET", path.rstrip("/")):
+                return await self.tasks.answer(HttpRequest("GET", path, {}, {}, b""))
             return await self._get(path)
         except AtCapacity as full:
             return HttpResponse(503, {"detail": str(full)})
@@ -127,6 +132,11 @@ class HttpRoutes:
         path = request.path.rstrip("/") or "/"
         if not self.serves(path):
             return _NOT_FOUND
+        if self.tasks.serves(request.method, path):
+            try:
+                return await self.tasks.answer(request)
+            except AtCapacity as full:
+                return HttpResponse(503, {"detail": str(full)})
         routes = {"/reset": self._reset, "/step": self._step, "/mcp": self._mcp}
         answer = routes.get(path)
         if answer is None:
@@ -151,7 +161,7 @@ class HttpRoutes:
         return published.dump_python(checked, mode="json", by_alias=True)
 
     async def _reset(self, request: HttpRequest) -> HttpResponse:
-        reset = _body_model(request, ResetRequest, default={})
+        reset = body_model(request, ResetRequest, default={})
         if isinstance(reset, HttpResponse):
             return reset
         kwargs = reset.model_dump(exclude_unset=True)
@@ -164,7 +174,7 @@ class HttpRoutes:
         return HttpResponse(200, _response(ResetResponse, observation))
 
     async def _step(self, request: HttpRequest) -> HttpResponse:
-        step = _body_model(request, StepRequest)
+        step = body_model(request, StepRequest)
         if isinstance(step, HttpResponse):
             return step
         pool = self.pool
@@ -303,58 +313,6 @@ class AtCapacity(Exception):
 
 def _ok(result: Any, rid: Any) -> dict[str, Any]:
     return {"jsonrpc": "2.0", "result": result, "id": rid}
-
-
-def _json_body(request: HttpRequest, default: Any = None) -> Any:
-    """The request body as JSON, or the 422 FastAPI answers for a body that is not.
-
-    As in FastAPI, a body is read as JSON only when its content type says JSON; any other
-    body (no content type included) is the raw text, which no request model takes.
-    """
-    body = request.body
-    if not body:
-        if default is not None:
-            return default
-        missing = {"type": "missing", "loc": ["body"], "msg": "Field required", "input": None}
-        return HttpResponse(422, {"detail": [missing]})
-    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if kind != "application/json" and not kind.endswith("+json"):
-        not_an_object = {
-            "type": "model_attributes_type",
-            "loc": ["body"],
-            "msg": "Input should be a valid dictionary or object to extract fields from",
-            "input": body.decode("utf-8", "replace"),
-        }
-        return HttpResponse(422, {"detail": [not_an_object]})
-    try:
-        return strict_json_loads(body)
-    except ValueError as exc:
-        invalid = {
-            "type": "json_invalid",
-            "loc": ["body", getattr(exc, "pos", 0)],
-            "msg": "JSON decode error",
-            "input": {},
-            "ctx": {"error": getattr(exc, "msg", str(exc))},
-        }
-        return HttpResponse(422, {"detail": [invalid]})
-
-
-def _body_model(request: HttpRequest, model: Any, default: Any = None) -> Any:
-    """The request body as ``model`` (FastAPI's 422 when it is not JSON or not valid)."""
-    payload = _json_body(request, default)
-    if isinstance(payload, HttpResponse):
-        return payload
-    try:
-        return model.model_validate(payload)
-    except ValidationError as exc:
-        return _unprocessable(exc, "body")
-
-
-def _unprocessable(exc: ValidationError, *prefix: str) -> HttpResponse:
-    errors = validation_errors(exc, *prefix)
-    for error in errors:
-        error.pop("url", None)
-    return HttpResponse(422, {"detail": errors})
 
 
 def _response(model: Any, observation: Any) -> dict[str, Any]:

@@ -388,9 +388,16 @@ def _is_upgrade(request: Request) -> bool:
 
 
 def _response(answer: HttpResponse) -> Response:
-    """``answer`` as the response ``websockets`` sends instead of a handshake."""
+    """``answer`` as the response ``websockets`` sends instead of a handshake. ``websockets``
+    closes the connection after it, so it says ``Connection: close``: a keep-alive client
+    (httpx, a requests session) would otherwise send its next request on the closing
+    connection and read "Server disconnected"."""
     payload = answer.payload()
     headers = Headers(
-        [("Content-Type", answer.content_type), ("Content-Length", str(len(payload)))]
+        [
+            ("Content-Type", answer.content_type),
+            ("Content-Length", str(len(payload))),
+            ("Connection", "close"),
+        ]
     )
     return Response(answer.status, HTTPStatus(answer.status).phrase, headers, payload)

@@ -6,6 +6,7 @@ limit, non-finite numbers and a session past capacity get the same answer from b
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -112,3 +113,42 @@ def test_a_session_past_capacity_is_refused_and_the_first_plays_on(url: str) -> 
             assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (1013, "at capacity")
         first.send(json.dumps({"type": "step", "data": {"message": "hi"}}))
         assert json.loads(first.recv(timeout=10))["type"] == "observation"
+
+
+def _read_reply(sock: socket.socket) -> bytes:
+    """One HTTP reply, head and ``Content-Length`` body (b"" if the server closed)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head
+
+
+def test_a_kept_alive_client_reads_every_reply(url: str) -> None:
+    """A reply on a connection the server then closes says ``Connection: close``; on one it
+    keeps, the next request is answered. (``agile-llmenvs serve`` closed after each plain
+    GET without saying so, and a keep-alive client such as OpenEnv's ``HarborEnv`` now and
+    then sent its next request on the closing connection: "Server disconnected".)"""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        sock.sendall(request)
+        head = _read_reply(sock)
+        assert head.startswith(b"HTTP/1.1 200")
+        if b"\r\nconnection: close" not in head.lower():
+            sock.sendall(request)
+            assert _read_reply(sock).startswith(b"HTTP/1.1 200")
+    with httpx.Client(base_url=url, headers=GOOD) as client:
+        for _ in range(20):
+            assert client.get("/health").status_code == 200
+            assert client.post("/reset", json={}).status_code == 200

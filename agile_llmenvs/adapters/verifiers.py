@@ -37,7 +37,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from agile_llmenvs.adapters._nltk import nltk_offline
+from agile_llmenvs.adapters._verifiers_load import load_verifiers_env
 from agile_llmenvs.adapters.episode_loop import (
     Conversation,
     EpisodeLoop,
@@ -46,13 +46,11 @@ from agile_llmenvs.adapters.episode_loop import (
     pick_index,
 )
 from agile_llmenvs.errors import (
-    AgileLLMEnvsError,
     EnvBuildError,
     EnvExecutionError,
     OptionalDependencyError,
 )
 from agile_llmenvs.llm_envs.tool_calls import parse_tool_calls
-from agile_llmenvs.transport.resolve import load_entrypoint
 
 if TYPE_CHECKING:
     from agile_llmenvs.adapters.verifiers_v1 import VerifiersV1Env
@@ -304,24 +302,6 @@ def _policy_client() -> Any:
     return PolicyClient()
 
 
-def _load(verifiers: Any, environment: type, env_id: str, kwargs: dict[str, Any]) -> Any:
-    """What ``env_id`` (an installed id, or a ``module:attr``) builds, without NLTK's
-    downloader reaching the network."""
-    try:
-        with nltk_offline(f"verifiers env {env_id!r}"):
-            if ":" not in env_id:
-                return verifiers.load_environment(env_id, **kwargs)
-            found = load_entrypoint(env_id)
-            building = callable(found) and not isinstance(found, environment)
-            return found(**kwargs) if building else found
-    except AgileLLMEnvsError:
-        raise
-    except Exception as exc:
-        raise EnvBuildError(
-            f"verifiers could not load {env_id!r}: {type(exc).__name__}: {exc}"
-        ) from exc
-
-
 def make(
     env_id: str,
     *,
@@ -377,7 +357,7 @@ def make(
             'or "agile-llmenvs[verifiers-v1]" (0.4)'
         ) from exc
     _build_off_the_main_thread(Environment)
-    env = _load(verifiers, Environment, env_id, kwargs)
+    env = load_verifiers_env(env_id, kwargs, Environment, installed=verifiers.load_environment)
     if not isinstance(env, Environment):
         preview = sys.modules.get("verifiers.v1")
         if preview is not None and isinstance(env, getattr(preview, "Env", ())):

@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agile_llmenvs.adapters._nltk import nltk_offline
+from agile_llmenvs.adapters._verifiers_load import load_verifiers_env
 from agile_llmenvs.adapters.episode_loop import (
     Conversation,
     EpisodeLoop,
@@ -421,24 +421,12 @@ def make_v1(
     """
     import verifiers.v1 as vf
 
-    from agile_llmenvs.errors import AgileLLMEnvsError
-    from agile_llmenvs.transport.resolve import load_entrypoint
-
     if ":" not in env_id:
         raise EnvBuildError(
             f"a verifiers 0.4 env is a module:attr (a vf.Env or a function building one), "
             f"got {env_id!r}"
         )
-    try:
-        with nltk_offline(f"verifiers env {env_id!r}"):
-            found = load_entrypoint(env_id)
-            env = found if isinstance(found, vf.Env) else found(**kwargs)
-    except AgileLLMEnvsError:
-        raise
-    except Exception as exc:
-        raise EnvBuildError(
-            f"verifiers could not load {env_id!r}: {type(exc).__name__}: {exc}"
-        ) from exc
+    env = load_verifiers_env(env_id, kwargs, vf.Env)
     if not isinstance(env, vf.Env):
         raise EnvBuildError(f"{env_id!r} gave a {type(env).__name__}, not a verifiers.v1 Env")
     return VerifiersV1Env(env, call_timeout_s=call_timeout_s, tool_call_parser=tool_call_parser)

@@ -324,11 +324,8 @@ def test_a_backend_object_plays_the_opponent() -> None:
     assert "[Player 1] [8]" in observation
 
 
-def test_a_reply_longer_than_max_action_chars_reaches_the_game_cut_to_its_end() -> None:
-    """ConnectFour's move pattern backtracks: a 32,000-character ``[[[...`` reply froze the
-    process for 19 s. The game now parses the reply's last 2,000 characters, where a
-    reasoning reply writes its move."""
-    env = make("ConnectFour-v0")
+def recorded_moves(env: TextArenaEnv) -> list[str]:
+    """The actions the game parses from now on, every seat's, in order."""
     parsed: list[str] = []
     real = env.game.step
 
@@ -337,6 +334,15 @@ def test_a_reply_longer_than_max_action_chars_reaches_the_game_cut_to_its_end() 
         return real(action=action)
 
     env.game.step = step  # type: ignore[method-assign]
+    return parsed
+
+
+def test_a_reply_longer_than_max_action_chars_reaches_the_game_cut_to_its_end() -> None:
+    """ConnectFour's move pattern backtracks: a 32,000-character ``[[[...`` reply froze the
+    process for 19 s. The game now parses the reply's last 2,000 characters, where a
+    reasoning reply writes its move."""
+    env = make("ConnectFour-v0")
+    parsed = recorded_moves(env)
     env.reset(seed=0)
     reply = "[" * 32_000 + " my move: [col 3]"
     env.step(reply)
@@ -355,14 +361,7 @@ def test_an_opponent_answering_a_megabyte_is_cut_as_the_policy_is() -> None:
         return f"{junk} my move: [col 0]"
 
     env = make("ConnectFour-v0", opponent=verbose)
-    parsed: list[str] = []
-    real = env.game.step
-
-    def step(action: str) -> Any:
-        parsed.append(action)
-        return real(action=action)
-
-    env.game.step = step  # type: ignore[method-assign]
+    parsed = recorded_moves(env)
     env.reset(seed=0)
     start = time.monotonic()
     _, _, _, _, info = env.step("[col 3]")

@@ -153,7 +153,10 @@ def test_a_request_failing_past_its_retries_is_a_value(kind: str, server: ChatAP
 
 @BOTH
 def test_a_refused_request_raises_backend_error(kind: str, server: ChatAPIServer) -> None:
-    server.injections.append(Injection(400, times=1))
+    # the refusal matches this test's own request: a request of an earlier test that the
+    # server reads late (it was cancelled in flight) cannot take it
+    mine = f"Refuse me ({kind})."
+    server.injections.append(Injection(400, times=1, match=mine))
     backend = make(kind, server)
     try:
         with pytest.raises(
@@ -161,7 +164,9 @@ def test_a_refused_request_raises_backend_error(kind: str, server: ChatAPIServer
             match=r"^\w+Backend request for model '\w+-test' was refused \(HTTP 400\): "
             r"injected 400$",
         ) as caught:
-            backend.generate_chat_batch(digit_messages(1, 2), PARAMS)
+            backend.generate_chat_batch(
+                [*digit_messages(1), [{"role": "user", "content": mine}]], PARAMS
+            )
     finally:
         backend.close()
     assert caught.value.status_code == 400

@@ -75,7 +75,7 @@ class HttpRoutes:
         self.pool = pool
         self.mode: ServerMode = mode
         self.mcp_sessions = McpSessions(pool)
-        self.tasks = TaskRoutes(self)
+        self.tasks = TaskRoutes(pool, self._with_fresh_env)
         self._metadata: dict[str, Any] | None = None
 
     def serves(self, path: str) -> bool:

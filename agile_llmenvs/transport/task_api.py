@@ -21,6 +21,7 @@ the method 501 (``get_task is not supported for this environment``), an ``IndexE
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -59,15 +60,24 @@ _SPLIT_TYPES = frozenset({"train", "validation", "test"})
 
 
 class TaskRoutes:
-    """The task API's answers for one server (``routes``: its
-    :class:`~agile_llmenvs.transport.routes.HttpRoutes`, whose envs answer)."""
+    """The task API's answers for one server.
 
-    def __init__(self, routes: Any) -> None:
-        self.routes = routes
+    Args:
+        pool: The server's :class:`~agile_llmenvs.transport.env_pool.EnvPool` (its
+            ``env_name``).
+        with_fresh_env: Runs a call on a fresh env, closed after (and raises
+            :class:`~agile_llmenvs.transport.routes.AtCapacity` when no slot is free).
+    """
+
+    def __init__(
+        self, pool: Any, with_fresh_env: Callable[[Callable[[Any], Any]], Awaitable[Any]]
+    ) -> None:
+        self.pool, self.with_fresh_env = pool, with_fresh_env
 
     @property
     def env_name(self) -> str:
-        return str(self.routes.pool.env_name)
+        """The name the routes answer to (``/{env_name}/...``)."""
+        return str(self.pool.env_name)
 
     def serves(self, method: str, path: str) -> bool:
         """Whether ``method path`` is a task-API route."""
@@ -113,7 +123,7 @@ class TaskRoutes:
             return found(*args)
 
         try:
-            return await self.routes._with_fresh_env(call)
+            return await self.with_fresh_env(call)
         except NotImplementedError:
             return HttpResponse(501, {"detail": f"{method} is not supported for this environment"})
         except IndexError:

@@ -29,7 +29,6 @@ import torch
 from agile_llmenvs.weights.adapters import (
     ADAPTER,
     adapted_layers,
-    check_mergeable,
     is_lora,
     require_syncable,
 )
@@ -108,8 +107,8 @@ def _merged_lora_weights(model: Any, piece: Any) -> Iterator[tuple[str, torch.Te
 
 def _merged(layer: Any, param: torch.Tensor, piece: Any) -> torch.Tensor:
     """This process's rows of the base weight ``param`` plus the same rows of the adapter's
-    delta: ``scale * B A`` for a linear layer, ``scale * (B A)^T`` for an embedding."""
-    check_mergeable(layer)
+    delta: ``scale * B A`` for a linear layer, ``scale * (B A)^T`` for an embedding (a layer
+    :func:`local_weights` has checked with ``require_syncable``)."""
     weight = piece(param)
     scale = layer.scaling[ADAPTER]
     if ADAPTER in layer.lora_A:  # Linear: out x in, rows are B's rows

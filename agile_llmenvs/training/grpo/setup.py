@@ -216,7 +216,7 @@ def _syncs_adapters(settings: RunSettings) -> bool:
     return (
         settings.generation.backend == "vllm_server"
         and server is not None
-        and (server.lora_sync == "adapters")
+        and server.lora_sync == "adapters"
     )
 
 

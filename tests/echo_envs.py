@@ -191,6 +191,51 @@ class ToolEnv:
         return _Env()
 
 
+class SumToolEnv:
+    """An OpenEnv MCP environment with one tool, ``add``: the task (from the reset seed) asks
+    for the sum of two numbers, and a call of ``add`` on exactly those numbers scores 1 (any
+    other call 0). Two turns an episode."""
+
+    def __new__(cls) -> Any:
+        from fastmcp import FastMCP
+        from openenv.core.env_server.mcp_environment import MCPEnvironment
+        from openenv.core.env_server.mcp_types import CallToolAction
+        from openenv.core.env_server.types import Observation, State
+
+        class _Env(MCPEnvironment):  # type: ignore[misc]
+            def __init__(self) -> None:
+                mcp = FastMCP("sum")
+
+                @mcp.tool()
+                def add(a: int, b: int) -> int:
+                    """Add two integers."""
+                    return a + b
+
+                self.numbers = (0, 0)
+                super().__init__(mcp)
+
+            def reset(self, seed: Any = None, episode_id: Any = None, **kw: Any) -> Any:
+                self.numbers = (2, 3) if not seed or seed % 2 == 0 else (4, 5)
+                prompt = f"Add {self.numbers[0]} and {self.numbers[1]} with the add tool."
+                return Observation(done=False, reward=None, metadata={"prompt": prompt})
+
+            def step(self, action: Any, timeout_s: Any = None, **kw: Any) -> Any:
+                observation = super().step(action, timeout_s=timeout_s, **kw)
+                if isinstance(action, CallToolAction):
+                    asked = (action.arguments.get("a"), action.arguments.get("b"))
+                    observation.reward = float(asked == self.numbers)
+                return observation
+
+            def _step_impl(self, action: Any, timeout_s: Any = None, **kw: Any) -> Any:
+                return Observation(done=False, reward=0.0)
+
+            @property
+            def state(self) -> Any:
+                return State(episode_id=None, step_count=0, max_turns=2)
+
+        return _Env()
+
+
 class HostileEnv(EchoEnv):
     """An :class:`EchoEnv` whose ``exit`` action raises ``SystemExit`` and ``interrupt``
     raises ``KeyboardInterrupt``: what a broken env does to a server that lets them through."""

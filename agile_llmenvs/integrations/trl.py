@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from agile_llmenvs.errors import EnvBuildError, EnvError
+from agile_llmenvs.integrations._trl_environment import ToolEnvironments
 from agile_llmenvs.integrations._trl_play import EnvSlots, Messages, first_prompt, trainer_policy
 from agile_llmenvs.integrations._trl_rewards import RewardFunc, policy_text_reward
 from agile_llmenvs.integrations._trl_rows import GroupRows, PlayedEpisode, TRLRow, columns
@@ -122,6 +123,7 @@ class TRLEnv:
         self._pad_id = int(pad if pad is not None else tokenizer.eos_token_id)
         self._factory: Callable[[], RolloutHarness] | None = None
         self._slots: EnvSlots | None = None
+        self._tool_envs: ToolEnvironments | None = None
         self.tasks, self.prompts = self._read_tasks()
         self._by_prompt: dict[str, list[Task]] = {}
         for task, prompt in zip(self.tasks, self.prompts, strict=True):
@@ -185,6 +187,28 @@ class TRLEnv:
             "reward_funcs": [*self.reward_funcs, *map(policy_text_reward, reward_funcs)],
             "rollout_func": self.rollout_func,
         }
+
+    def environment_kwargs(self) -> dict[str, Any]:
+        """``train_dataset`` and ``environment_factory``, for ``GRPOTrainer(**...)``: TRL
+        generates every turn and plays the env as tool calls (see docs/trl.md). The dataset
+        is :attr:`dataset` with a ``task`` column, which each instance's ``reset`` reads."""
+        tools = self.tool_environments()
+        prompts, tasks = list(self.prompts), list(range(len(self.tasks)))
+        from datasets import Dataset
+
+        return {
+            "train_dataset": Dataset.from_dict({"prompt": prompts, "task": tasks}),
+            "environment_factory": tools.environment_class,
+        }
+
+    def tool_environments(self) -> ToolEnvironments:
+        """The env as TRL's ``environment_factory`` takes it (built once, closed with this)."""
+        if self._tool_envs is None:
+            from agile_llmenvs.envs import make_rollout_env_factory
+
+            factory, _ = make_rollout_env_factory(self.spec, self.tokenizer, seed=self._seed)
+            self._tool_envs = ToolEnvironments(factory, self.tasks)
+        return self._tool_envs
 
     def env_reward(
         self,
@@ -427,6 +451,9 @@ class TRLEnv:
         if self._slots is not None:
             self._slots.close()
             self._slots = None
+        if self._tool_envs is not None:
+            self._tool_envs.close()
+            self._tool_envs = None
         if self._factory is not None:
             _close(self._factory)
             self._factory = None

@@ -264,9 +264,12 @@ class ActionPlayer:
                 except ValueError as exc:
                     return self._invalid(str(exc) or type(exc).__name__)
             return (yield from self._send(EnvCall("call_tool", (config.mcp_tool, arguments))))
-        return (yield from self._run_calls(parsed.calls))
+        return (yield from self.run_calls(parsed.calls))
 
-    def _run_calls(self, calls: Sequence[ToolCall]) -> EnvTurn[ActionOutcome]:
+    def run_calls(self, calls: Sequence[ToolCall]) -> EnvTurn[ActionOutcome]:
+        """Run well-formed tool calls in order (a turn, see the module docstring): the
+        rewards add up, a failed call or the episode's end stops the rest, and each result
+        goes back in the template's tool role (all in one user message without one)."""
         outcome = ActionOutcome(0.0, {"tool_calls": []})
         texts: list[str] = []
         for index, call in enumerate(calls):

@@ -273,14 +273,15 @@ class TrainingSpec(BaseModel):
         1, ge=1, description="GRPO: optimizer steps per pass (the batch's rows split evenly)."
     )
 
-    credit: Literal["episode", "turn_mc", "anchor"] = Field(
+    credit: Literal["episode", "turn_mc", "anchor", "tree"] = Field(
         "episode",
         description="GRPO: how a multi-turn episode's advantage is shared among its turns "
         "(docs/training.md#turn-level-credit): `episode`, every turn the episode's; `turn_mc`, "
         "each turn `r_t + V(s_t+1) - V(s_t)`, with V the mean return of `credit_rollouts` "
         "continuations branched from the state; `anchor`, GiGPO: turns acting from the same "
         "observation within a group compared by their discounted returns to go (no extra "
-        "rollouts).",
+        "rollouts); `tree`, as `turn_mc` with the continuations trained too, each against its "
+        "siblings (the paths from the same state).",
     )
     credit_gamma: float = Field(
         0.95,
@@ -297,12 +298,12 @@ class TrainingSpec(BaseModel):
         "(GiGPO's omega, 1).",
     )
     credit_rollouts: int = Field(
-        4, ge=1, description="GRPO `turn_mc`: continuations run from each branched state."
+        4, ge=1, description="GRPO `turn_mc`, `tree`: continuations run from each branched state."
     )
     credit_turns: str = Field(
         "all",
         pattern=r"^(all|first:[1-9][0-9]*|entropy:[1-9][0-9]*)$",
-        description="GRPO `turn_mc`: the states valued: `all` (before every turn but the "
+        description="GRPO `turn_mc`, `tree`: the states valued: `all` (before every turn but the "
         "first), `first:N` (before turns 2..N+1), or `entropy:N` (after the N turns whose "
         "sampled tokens were the least likely, the sampler's estimate of the policy's entropy; "
         "every state is checkpointed while the batch plays, the others released).",
@@ -310,12 +311,13 @@ class TrainingSpec(BaseModel):
     credit_max_tokens: int | None = Field(
         None,
         ge=1,
-        description="GRPO `turn_mc`: tokens one continuation may sample; one past it ends at "
-        "that turn, its return the rewards so far (unset: the episode's own turn budget).",
+        description="GRPO `turn_mc`, `tree`: tokens one continuation may sample; one past it "
+        "ends at that turn, its return the rewards so far (unset: the episode's own turn "
+        "budget).",
     )
     credit_branching: Literal["auto", "direct", "process_fork", "action_replay"] = Field(
         "auto",
-        description="GRPO `turn_mc`: how states are branched (docs/branching.md): `direct` "
+        description="GRPO `turn_mc`, `tree`: how states are branched (docs/branching.md): `direct` "
         "(the env is deterministic given its seed and task: a state is stepped by replay), "
         "`process_fork` (any env in this process: a fork per state), `action_replay` (a fresh "
         "env replayed to the state, checked); `auto`: `direct` for an env that declares "
@@ -349,16 +351,17 @@ class TrainingSpec(BaseModel):
             return self
         if self.algorithm != "grpo":
             raise fail("credit", f"{self.credit!r} is GRPO's; {self.algorithm!r} has no turns")
-        if self.credit == "turn_mc" and self.generation_backend == "vllm_server":
+        branched = self.credit in ("turn_mc", "tree")
+        if branched and self.generation_backend == "vllm_server":
             raise fail(
                 "credit",
-                "'turn_mc' branches states on the lock-step path; `generation_backend: "
+                f"{self.credit!r} branches states on the lock-step path; `generation_backend: "
                 "vllm_server` plays episodes ahead on servers: use `hf` or `vllm`",
             )
-        if self.credit == "turn_mc" and self.dynamic_sampling:
+        if branched and self.dynamic_sampling:
             raise fail(
                 "credit",
-                "'turn_mc' values the states of the batch it trains on; with "
+                f"{self.credit!r} values the states of the batch it trains on; with "
                 "`dynamic_sampling: true` rounds are dropped and refilled: set one of them off",
             )
         return self

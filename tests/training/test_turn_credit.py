@@ -47,6 +47,7 @@ from agile_llmenvs.training.credit import (
     estimate_values,
     mc_turn_advantages,
 )
+from agile_llmenvs.training.credit.tree import Branch, branch_samples
 from agile_llmenvs.training.grpo import build_policy_batch
 from agile_llmenvs.training.objective import group_advantages, group_rewards, reward_scale
 from agile_llmenvs.training.run import read_metrics
@@ -283,6 +284,22 @@ def test_grpo_trains_with_turn_mc_and_logs_what_the_credit_cost(
         assert math.isfinite(row["loss"])
 
 
+def test_grpo_trains_with_tree_credit_on_the_continuations_too(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    manifest = door_manifest(tiny_model_dir, tmp_path / "run", credit="tree", credit_rollouts=2)
+    result = train_grpo(manifest)
+    assert len(result.metrics) == 2
+    for row in result.metrics:
+        assert row["credit_states"] == 8  # as turn_mc: s_1 and s_2 of 4 episodes, 2 each
+        assert row["credit_fallback_episodes"] == 0
+        assert 0 < row["credit_tokens"] <= 8 * 2 * 2 * 4
+        # every token sampled, the episodes' and the continuations', is trained once
+        trained = row["tokens_per_s"] * row["step_time_s"]
+        assert round(trained) == row["policy_tokens"] + row["credit_tokens"]
+        assert math.isfinite(row["loss"])
+
+
 def test_a_run_whose_env_cannot_branch_is_refused_after_its_first_step(
     tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -351,13 +368,13 @@ def test_a_killed_zygote_is_replaced_and_the_run_goes_on(
     real = loop.estimate_values
     killed: list[int] = []
 
-    def kill_first(checkpoints: Any, *args: Any) -> Any:
+    def kill_first(checkpoints: Any, *args: Any, **kwargs: Any) -> Any:
         if not killed:
             zygote = checkpoints._strategy._zygote
             os.kill(zygote.pid, signal.SIGKILL)
             zygote.process.wait()
             killed.append(zygote.pid)
-        return real(checkpoints, *args)
+        return real(checkpoints, *args, **kwargs)
 
     monkeypatch.setattr(loop, "estimate_values", kill_first)
     manifest = door_manifest(
@@ -381,6 +398,8 @@ def test_grpo_trains_with_anchor_credit_at_no_extra_cost(
     ("settings", "message"),
     [
         ({"credit": "turn_mc", "dynamic_sampling": True}, "dynamic_sampling"),
+        ({"credit": "tree", "dynamic_sampling": True}, "'tree' values the states"),
+        ({"credit": "tree", "credit_gamma": 0.9}, "credit_gamma: is `anchor`'s"),
         ({"credit": "turn_mc", "credit_turns": "some"}, "credit_turns"),
         ({"credit": "turn_mc", "credit_rollouts": 0}, "credit_rollouts"),
         ({"credit": "turn_mc", "credit_gamma": 0.9}, "credit_gamma: is `anchor`'s"),
@@ -436,6 +455,21 @@ def test_a_continuation_taking_the_same_actions_rebuilds_the_episodes_ids(
             continued = harness.get_episode_data()
             assert continued.rewards == episode.rewards == (0.0, 0.5, 1.0)
             assert continued.samples == episode.samples  # ids, masks, turn ids, log-probs
+            # tree trains it as a branch: the same ids, its own turns sampled, the prefix not
+            rows = branch_samples(Branch(0, point.turn, continued), 1.0)
+            own = [
+                (
+                    sample,
+                    [
+                        m and k >= point.turn
+                        for m, k in zip(sample.action_mask, sample.turn_ids, strict=True)
+                    ],
+                )
+                for sample in episode.samples
+            ]
+            own = [(sample, mask) for sample, mask in own if any(mask)]
+            assert [row.token_ids for row, _ in rows] == [s.token_ids for s, _ in own]
+            assert [list(row.action_mask) for row, _ in rows] == [mask for _, mask in own]
         assert [p.turn for p in checkpoints.points[0]] == [1, 2]
     finally:
         checkpoints.close()
@@ -474,7 +508,7 @@ from branch_envs import door_manifest
 from agile_llmenvs.training import train_grpo
 from agile_llmenvs.training.grpo import loop
 
-def held(checkpoints, *args):
+def held(checkpoints, *args, **kwargs):
     Path(sys.argv[3]).write_text(str(checkpoints._strategy._zygote.pid))
     time.sleep(600)  # killed here, the states' holders alive
 

@@ -1,5 +1,6 @@
 """Turn-level credit (``training.credit``): how an episode's advantage is shared among its
-turns, and the Monte-Carlo values of mid-episode states that ``turn_mc`` measures them by."""
+turns, the Monte-Carlo values of mid-episode states that ``turn_mc`` measures them by, and
+``tree``'s advantages, which train the continuations too (:mod:`.tree`)."""
 
 from __future__ import annotations
 

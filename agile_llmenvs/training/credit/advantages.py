@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 import torch
@@ -246,10 +246,12 @@ def _anchor_keys(trajectory: Trajectory) -> list[tuple[int, ...]]:
 @dataclass(frozen=True)
 class TurnAdvantages:
     """A batch's per-turn advantages (one entry per trajectory: its turns', or None for a
-    member that does not train) and the episodes that fell back to their episode's."""
+    member that does not train), the episodes that fell back to their episode's, and
+    (``tree``) the continuations' training rows with their per-turn advantages."""
 
     per_turn: list[list[float] | None]
     fallback_episodes: int
+    branch_rows: list[tuple[TokenSample, list[float]]] = field(default_factory=list)
 
 
 def batch_turn_advantages(

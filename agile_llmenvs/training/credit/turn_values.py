@@ -32,6 +32,7 @@ from agile_llmenvs.core.types import Action, Environment, State
 from agile_llmenvs.errors import EnvStateError
 from agile_llmenvs.llm_envs.episode_state import EpisodeState
 from agile_llmenvs.llm_envs.harness import RolloutHarness
+from agile_llmenvs.training.credit.tree import Branch
 from agile_llmenvs.transport.client import InProcessEnvClient
 from agile_llmenvs.transport.wrapper import OpenEnvWrapper, accepted_reset_kwargs
 
@@ -304,10 +305,12 @@ class StateValues:
         failed: Continuations whose env failed (left out of the means).
         refused: By slot: why its episode could not be branched (it keeps its episode
             advantage).
+        branches: ``tree``: the continuations whose env did not fail, as training paths.
     """
 
     values: dict[int, dict[int, float]] = field(default_factory=dict)
     refused: dict[int, str] = field(default_factory=dict)
+    branches: list[Branch] = field(default_factory=list)
     tokens: int = 0
     seconds: float = 0.0
     gen_seconds: float = 0.0
@@ -329,8 +332,11 @@ def estimate_values(
     checkpoints: TurnCheckpoints,
     trajectories: Sequence[Trajectory],
     generate: Generate,
+    *,
+    keep_branches: bool = False,
 ) -> StateValues:
-    """Value the chosen states of each trajectory by ``rollouts`` continuations each.
+    """Value the chosen states of each trajectory by ``rollouts`` continuations each
+    (``keep_branches``: and keep the continuations as :class:`Branch` paths, for ``tree``).
 
     Each trajectory's states are its slot's checkpoints. A state's continuations run from a copy of
     the harness's episode there on a branch of its env; every continuation of the batch
@@ -369,6 +375,8 @@ def estimate_values(
             result.failed += 1
             continue
         returns.setdefault((c.slot, c.turn), []).append(sum(data.rewards[c.turn :]))
+        if keep_branches:
+            result.branches.append(Branch(c.slot, c.turn, data))
     for (slot, turn), values in returns.items():
         result.values.setdefault(slot, {})[turn] = sum(values) / len(values)
     result.refused = dict(checkpoints.refused)

@@ -18,7 +18,6 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -28,20 +27,14 @@ from agile_llmenvs._run_files import ROLLOUTS_FILE
 from agile_llmenvs.core import RolloutBatch, Trajectory
 from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.specs import RunManifest
-from agile_llmenvs.training.credit import (
-    AnchorSettings,
-    StateValues,
-    TurnAdvantages,
-    batch_turn_advantages,
-    collector_checkpoints,
-    estimate_values,
-)
+from agile_llmenvs.training.credit import StateValues, collector_checkpoints, estimate_values
 from agile_llmenvs.training.generation.sync_check import probe_ids
 from agile_llmenvs.training.grpo.held_out import EVAL_METRICS
 from agile_llmenvs.training.grpo.policy_batch import PolicyBatch, build_policy_batch
 from agile_llmenvs.training.grpo.setup import GRPORun, setup_run, step_seed, turn_signal
+from agile_llmenvs.training.grpo.step_advantages import step_advantages
 from agile_llmenvs.training.grpo.update import grpo_update
-from agile_llmenvs.training.objective import group_advantages, group_rewards, reward_scale
+from agile_llmenvs.training.objective import group_rewards
 from agile_llmenvs.training.run import (
     EnvFailures,
     RolloutLog,
@@ -185,7 +178,7 @@ def _check_credit(run: GRPORun, settings: RunSettings, step: int, row: dict[str,
     Raises:
         AgileLLMEnvsError: step ``step`` valued no state and had episodes fall back.
     """
-    if settings.turn_mc is None or run.credit_valued:
+    if settings.continuations is None or run.credit_valued:
         return
     if row["credit_states"] > 0:
         run.credit_valued = True
@@ -194,10 +187,11 @@ def _check_credit(run: GRPORun, settings: RunSettings, step: int, row: dict[str,
     if fallbacks == 0:
         return
     reasons = "; ".join(run.credit_refusals.values()) or "no checkpoint was taken"
+    branching = settings.continuations.branching
     raise AgileLLMEnvsError(
-        f"training.credit: turn_mc valued no state at step {step}: all {fallbacks} of its "
-        f"multi-turn episodes fell back to episode credit ({reasons}). Set "
-        f"training.credit_branching (now {settings.turn_mc.branching!r}) to one that can branch "
+        f"training.credit: {settings.credit} valued no state at step {step}: all {fallbacks} "
+        f"of its multi-turn episodes fell back to episode credit ({reasons}). Set "
+        f"training.credit_branching (now {branching!r}) to one that can branch "
         "this env (docs/branching.md: `action_replay` for an env deterministic given its seed "
         "and task, `process_fork` for one whose episodes live in its own memory), or use "
         "`credit: anchor` (no branching) or `credit: episode`"
@@ -237,8 +231,8 @@ def _step(
     if run.server is not None:  # a stale group is dropped whole: its advantages are relative
         stale_G = torch.tensor(run.server.stale_groups(rollout, step - 1))
         fresh_GN &= ~stale_G[:, None]
-    advantages_GN, kept_GN, turns = _advantages(
-        run, settings, rollout, rewards_GN, finished_GN & fresh_GN, values
+    advantages_GN, kept_GN, turns = step_advantages(
+        settings, run.accelerator, rollout, rewards_GN, finished_GN & fresh_GN, values
     )
     pad_id = run.tokenizer.pad_token_id or 0
     advantages_B = advantages_GN.flatten().float()  # centred in float64, trained in float32
@@ -248,6 +242,7 @@ def _step(
         pad_id,
         kept_GN.flatten().tolist(),
         turn_advantages=turns.per_turn if turns is not None else None,
+        extra_rows=turns.branch_rows if turns is not None else (),
     )
     learning_rate = run.learner.scheduler.get_last_lr()[0]
     learn_start = time.perf_counter()
@@ -309,47 +304,6 @@ def _sync(run: GRPORun, step: int, batch: PolicyBatch, step_s: float) -> float:
     if batch.rows:  # the last tokens of a row just trained on: sampled ones among them
         ids = probe_ids(batch.input_ids_BT[0], batch.attention_mask_BT[0])
     return check(policy, ids, run.sampler_logps, when=f"the weight sync after step {step}")
-
-
-def _advantages(
-    run: GRPORun,
-    settings: RunSettings,
-    rollout: RolloutBatch,
-    rewards_GN: torch.Tensor,
-    trained_GN: torch.Tensor,
-    values: StateValues | None,
-) -> tuple[torch.Tensor, torch.Tensor, TurnAdvantages | None]:
-    """GRPO's episode advantages over the members that train, which of them are kept, and
-    (``credit`` other than ``episode``) each turn's share (docs/training.md)."""
-    over_processes = _sum_over_processes(run.accelerator)
-    advantages_GN, kept_GN = group_advantages(
-        rewards_GN,
-        scale=settings.scale_rewards,
-        finished_GN=trained_GN,
-        sum_over_processes=over_processes,
-    )
-    if settings.credit == "episode":
-        return advantages_GN, kept_GN, None
-    scale_G1 = reward_scale(
-        rewards_GN,
-        scale=settings.scale_rewards,
-        finished_GN=trained_GN,
-        sum_over_processes=over_processes,
-    )
-    turns = batch_turn_advantages(
-        settings.credit,
-        rollout.trajectories,
-        rewards_GN,
-        advantages_GN,
-        kept_GN,
-        scale_G1,
-        values.values if values is not None else None,
-        anchor=settings.anchor or AnchorSettings(),
-        normalise=settings.scale_rewards != "none",
-        batch_scale=settings.scale_rewards == "batch",
-        sum_over_processes=over_processes,
-    )
-    return advantages_GN, kept_GN, turns
 
 
 def _step_row(
@@ -416,9 +370,9 @@ def _collect(
     run.sampler.seconds, run.sampler.calls = 0.0, 0
     run.accelerator.unwrap_model(run.model).eval()
     checkpoints = None
-    if settings.turn_mc is not None:
+    if settings.continuations is not None:
         if run.checkpoints is None:  # one for the run: ProcessFork's zygote is started once
-            run.checkpoints = collector_checkpoints(run.collector, settings.turn_mc)
+            run.checkpoints = collector_checkpoints(run.collector, settings.continuations)
         checkpoints = run.checkpoints
     values = None
     with torch.no_grad():
@@ -431,7 +385,12 @@ def _collect(
             )
             gen_time = run.sampler.seconds
             if checkpoints is not None:
-                values = estimate_values(checkpoints, rollout.trajectories, run.sampler)
+                values = estimate_values(
+                    checkpoints,
+                    rollout.trajectories,
+                    run.sampler,
+                    keep_branches=settings.credit == "tree",
+                )
                 _warn_refused(values, run.credit_refusals)
         finally:
             if checkpoints is not None:
@@ -461,18 +420,6 @@ def _warn_refused(values: StateValues, shown: dict[str, str]) -> None:
 def _sampled_tokens(trajectory: Trajectory) -> int:
     """Tokens the policy sampled in ``trajectory``'s episode."""
     return sum(sum(sample.action_mask) for sample in trajectory.episode.samples)
-
-
-def _sum_over_processes(accelerator: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """Sums a CPU tensor over processes: each holds only its share of the batch's groups
-    (``None`` on one process, which holds them all)."""
-    if accelerator.num_processes == 1:
-        return None
-
-    def total(tensor: torch.Tensor) -> torch.Tensor:
-        return accelerator.reduce(tensor.to(accelerator.device), reduction="sum").cpu()
-
-    return total
 
 
 def _reduce(accelerator: Any, values: dict[str, float], reduction: str) -> dict[str, float]:

@@ -81,6 +81,7 @@ def build_policy_batch(
     pad_id: int,
     kept: Sequence[bool] | None = None,
     turn_advantages: Sequence[Sequence[float] | None] | None = None,
+    extra_rows: Sequence[tuple[TokenSample, Sequence[float]]] = (),
 ) -> PolicyBatch:
     """Lay out every token sample of ``rollout``, with its episode's advantage.
 
@@ -91,7 +92,8 @@ def build_policy_batch(
 
     With ``turn_advantages`` (one entry per trajectory: its advantage per turn, or None for
     the episode's), each sampled token gets its turn's advantage, through the sample's
-    ``turn_ids``, and ``advantages_B`` is ``[B, T - 1]``.
+    ``turn_ids``, and ``advantages_B`` is ``[B, T - 1]``. ``extra_rows`` (``tree``'s
+    continuations) follow the rollout's rows, each with its per-turn advantages.
 
     Raises:
         ValueError: a sample's log-probs are neither one per sampled token nor absent.
@@ -108,6 +110,10 @@ def build_policy_batch(
             samples.append(sample)
             row_advantages.append(advantage)
             row_turns.append(turns)
+    for sample, turns in extra_rows:
+        samples.append(sample)
+        row_advantages.append(0.0)  # every sampled target takes its turn's value
+        row_turns.append(turns)
     rows = len(samples)
     width = max((len(sample.token_ids) for sample in samples), default=2)
     padded = [(sample, width - len(sample.token_ids)) for sample in samples]

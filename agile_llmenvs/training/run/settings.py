@@ -2,7 +2,7 @@
 one frozen :class:`RunSettings`, every number derived from it derived there (as CleanRL's
 ``ppo.py`` computes ``batch_size`` and ``num_iterations`` right below its ``Args``, never
 again). Each room of training is handed its part: the policy its :class:`PolicySettings`, the
-learning step its :class:`UpdateSettings`, ``turn_mc`` its
+learning step its :class:`UpdateSettings`, ``turn_mc`` and ``tree`` their
 :class:`~agile_llmenvs.training.credit.CreditSettings`, the held-out evaluation its
 :class:`HeldOutSettings`, and so on.
 """
@@ -177,7 +177,8 @@ class RunSettings:
         scale_rewards: GRPO: what group-relative advantages are divided by.
         dynamic_sampling: GRPO: refill groups with equal rewards from new tasks.
         credit: GRPO: how an episode's advantage is shared among its turns.
-        turn_mc: ``credit: turn_mc``'s settings (``None`` for the other modes).
+        continuations: ``credit: turn_mc`` and ``tree``'s settings: the continuations
+            branched from the batch's states (``None`` for the other modes).
         anchor: ``credit: anchor``'s settings (``None`` for the other modes).
         generation: GRPO: what samples the rollouts.
         held_out: GRPO's held-out evaluation.
@@ -204,8 +205,8 @@ class RunSettings:
     update: UpdateSettings
     scale_rewards: ScaleRewards
     dynamic_sampling: bool
-    credit: Literal["episode", "turn_mc", "anchor"]
-    turn_mc: CreditSettings | None
+    credit: Literal["episode", "turn_mc", "anchor", "tree"]
+    continuations: CreditSettings | None
     anchor: AnchorSettings | None
     generation: GenerationSettings
     held_out: HeldOutSettings
@@ -248,7 +249,7 @@ class RunSettings:
             scale_rewards=config.scale_rewards,
             dynamic_sampling=config.dynamic_sampling,
             credit=config.credit,
-            turn_mc=_turn_mc(config),
+            continuations=_continuations(config),
             anchor=(
                 AnchorSettings(config.credit_gamma, config.credit_omega)
                 if config.credit == "anchor"
@@ -346,9 +347,9 @@ def _update(config: TrainingSpec, sampling: SamplingParams) -> UpdateSettings:
     )
 
 
-def _turn_mc(config: TrainingSpec) -> CreditSettings | None:
-    """The ``credit_*`` fields, for ``credit: turn_mc`` alone."""
-    if config.credit != "turn_mc":
+def _continuations(config: TrainingSpec) -> CreditSettings | None:
+    """The ``credit_*`` fields, for ``credit: turn_mc`` and ``tree`` alone."""
+    if config.credit not in ("turn_mc", "tree"):
         return None
     return CreditSettings(
         config.credit_rollouts,

@@ -9,8 +9,14 @@ its turn are its episode's.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -134,3 +140,91 @@ def test_branch_rows_follow_the_episodes_in_the_policy_batch() -> None:
     # row 0 is A: 1/6, -1/6, 1/2 on its three sampled targets
     assert batch.advantages_B[0].tolist() == pytest.approx([1 / 6, 0, -1 / 6, 0, 1 / 2])
     assert batch.sampling_logps_BT[2].tolist() == pytest.approx([0, 0, -0.2, 0, -0.3])
+
+
+# -- rank invariance: the same batch on one process and split over two gloo processes --------
+
+GROUP_1 = [  # a second group: C (1, 0) and D (0, 1, 1), with three branches
+    (_episode((1, 0)), [Branch(0, 1, _episode((1, 1)))]),
+    (_episode((0, 1, 1)), [Branch(1, 1, _episode((0, 0, 0))), Branch(1, 2, _episode((0, 1, 1)))]),
+]
+
+
+def rank_advantages(
+    rank: int | None, scale: str, total: Any = None
+) -> tuple[list[Any], list[list[float]]]:
+    """``tree``'s advantages of the two-group batch on ``rank`` of two processes (group 0 on
+    rank 0, group 1 on rank 1, each with local slots), or of the whole batch on one (None)."""
+    group_0 = (list(EPISODES), list(BRANCHES))
+    group_1 = (
+        [Trajectory(0, i, Task(seed=1), data) for i, (data, _) in enumerate(GROUP_1)],
+        [b for _, own in GROUP_1 for b in own],
+    )
+    if rank is not None:
+        trajectories, branches = (group_0, group_1)[rank]
+    else:  # one process: group 1's slots follow group 0's
+        trajectories = group_0[0] + [
+            Trajectory(0, 2 + t.slot, t.task, t.episode) for t in group_1[0]
+        ]
+        branches = group_0[1] + [Branch(2 + b.slot, b.turn, b.episode) for b in group_1[1]]
+    rewards_GN = group_rewards([t.reward for t in trajectories], 2)
+    _, kept_GN = group_advantages(rewards_GN, scale=scale, sum_over_processes=total)  # type: ignore[arg-type]
+    turns = tree_turn_advantages(
+        trajectories,
+        rewards_GN,
+        kept_GN,
+        reward_scale(rewards_GN, scale=scale, sum_over_processes=total),  # type: ignore[arg-type]
+        branches,
+        batch_scale=scale == "batch",
+        sum_over_processes=total,
+    )
+    return turns.per_turn, [list(values) for _, values in turns.branch_rows]
+
+
+RANK = """
+import json, os, sys
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import test_tree_credit as cases
+dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=2)
+
+def total(tensor):
+    tensor = tensor.clone()
+    dist.all_reduce(tensor)
+    return tensor
+
+rank = dist.get_rank()
+print(json.dumps({s: cases.rank_advantages(rank, s, total) for s in ("group", "batch")}))
+dist.destroy_process_group()
+"""
+
+
+def test_tree_advantages_are_the_same_on_two_gloo_processes(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    here = str(Path(__file__).parent)
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, here],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [process.communicate(timeout=120) for process in ranks]
+    for process, (_, stderr) in zip(ranks, outputs, strict=True):
+        assert process.returncode == 0, stderr[-2000:]
+    results = [json.loads(stdout.splitlines()[-1]) for stdout, _ in outputs]
+    for scale in ("group", "batch"):
+        per_turn, rows = rank_advantages(None, scale)
+        split_turns = results[0][scale][0] + results[1][scale][0]
+        split_rows = results[0][scale][1] + results[1][scale][1]
+        assert split_turns == [pytest.approx(t, abs=1e-12) for t in per_turn]
+        assert split_rows == [pytest.approx(r, abs=1e-12) for r in rows]
+    # the batch's scale couples the ranks: it differs from the group scale on both
+    assert results[0]["batch"] != results[0]["group"]
+    assert results[1]["batch"] != results[1]["group"]

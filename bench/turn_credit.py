@@ -1,25 +1,31 @@
-"""What turn-level credit saves: tokens and time for GRPO to learn the corridor, per credit mode.
+"""What turn-level credit saves: tokens and time for GRPO to learn a multi-turn task, per mode.
 
-Trains ``manifests/grpo_corridor.yaml`` (the built-in tiny model on the key-and-door corridor:
-only the first of its turns decides the reward) with ``training.credit`` set to ``episode``
-(plain GRPO), ``turn_mc`` and ``anchor``, for ``SEEDS`` seeds each, every run a fresh process
-into a temporary folder, stopped once it has learnt the task or at ``--max-steps``. From each
+Two tasks, on the built-in tiny model: the corridor (``manifests/grpo_corridor.yaml``: only
+the first of its turns decides the reward) and every-turn (``manifests/grpo_every_turn.yaml``:
+a digit at each of 4 turns, rewarded only if every turn said one). Each is trained with
+``training.credit`` set to ``episode`` (plain GRPO), ``turn_mc``, ``anchor`` and ``tree``,
+for ``SEEDS`` seeds each, every run a fresh process into a temporary folder, stopped once it
+has learnt the task or at ``--max-steps``. From each
 run's ``metrics.csv`` it finds the first step at which the mean of ``reward_mean`` over the
 last ``WINDOW`` steps reaches ``THRESHOLD``, and counts up to that step:
 
 * tokens: everything the policy sampled, ``policy_tokens`` (the training episodes) plus
-  ``credit_tokens`` (the continuations ``turn_mc`` branches);
+  ``credit_tokens`` (the continuations ``turn_mc`` and ``tree`` branch);
 * wall seconds: the sum of ``step_time_s`` (the whole step, credit rollouts included;
   setup excluded).
 
 A run that never reaches the threshold counts as its totals at the step cap, and is flagged
-(``reached: false``). Reports per mode the median over seeds, and:
+(``reached: false``). Reports per task and mode the median over seeds (the corridor's at the
+top level, every-turn's under ``every_turn``), and for each task:
 
-* ``episode_over_turn_mc_tokens``: episode credit's tokens over ``turn_mc``'s (target >= 1.5);
-* for reference: ``episode_over_turn_mc_wall`` and ``episode_over_anchor_tokens``.
+* ``episode_over_best_tokens``: episode credit's tokens over the best of ``tree`` and
+  ``turn_mc`` (target >= 1.5 on at least two tasks);
+* ``anchor_over_tree_tokens``: ``anchor``'s tokens over ``tree``'s (``tree`` ahead: > 1);
+* for reference: ``episode_over_turn_mc_tokens``, ``episode_over_tree_tokens``,
+  ``episode_over_anchor_tokens``, ``episode_over_turn_mc_wall``.
 
-``--quick``: one seed, a smoke run. ``--modes``: only some modes (ratios need both sides).
-Last line: JSON.
+``--quick``: one seed, a smoke run. ``--modes`` / ``--tasks``: only some (ratios need both
+sides). Last line: JSON.
 """
 
 from __future__ import annotations
@@ -39,8 +45,12 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "grpo_corridor.yaml"
-MODES = ("episode", "turn_mc", "anchor")
+MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
+TASKS = {
+    "corridor": MANIFESTS / "grpo_corridor.yaml",
+    "every_turn": MANIFESTS / "grpo_every_turn.yaml",
+}
+MODES = ("episode", "turn_mc", "anchor", "tree")
 SEEDS = (0, 1, 2)
 MAX_STEPS = 250
 THRESHOLD = 0.9
@@ -109,11 +119,11 @@ def _read_rows(path: Path) -> list[dict[str, str]]:
     return list(csv.DictReader(complete))
 
 
-def run_once(credit: str, seed: int, max_steps: int) -> Learnt:
-    """Train the corridor with ``credit`` until it is learnt or ``max_steps``; what it cost."""
+def run_once(credit: str, seed: int, max_steps: int, task: str = "corridor") -> Learnt:
+    """Train ``task`` with ``credit`` until it is learnt or ``max_steps``; what it cost."""
     with tempfile.TemporaryDirectory(prefix=f"turn-credit-{credit}-") as folder:
         metrics, log = Path(folder) / "metrics.csv", Path(folder) / "stderr.log"
-        command = [sys.executable, "-c", _RUN, str(MANIFEST), folder, credit, str(seed)]
+        command = [sys.executable, "-c", _RUN, str(TASKS[task]), folder, credit, str(seed)]
         with log.open("w") as stderr:
             process = subprocess.Popen(
                 [*command, str(max_steps)], stdout=subprocess.DEVNULL, stderr=stderr
@@ -127,7 +137,7 @@ def run_once(credit: str, seed: int, max_steps: int) -> Learnt:
         rows = _read_rows(metrics)
         if process.returncode not in (0, -9) or not rows:
             message = log.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"the {credit} run (seed {seed}) failed: {message}")
+            raise RuntimeError(f"the {task} {credit} run (seed {seed}) failed: {message}")
     steps, reached = learnt_at(rows, threshold=THRESHOLD, window=WINDOW)
     counted = rows[:steps]
     policy = sum(_policy_tokens(row) for row in counted)
@@ -166,26 +176,51 @@ def _ratio(report: dict[str, Any], over: str, under: str, key: str) -> float | N
     return round(report[over][key] / report[under][key], 3)
 
 
-def measure(modes: list[str], seeds: list[int], max_steps: int) -> dict[str, Any]:
-    runs: list[Learnt] = []
-    for credit in modes:
-        for seed in seeds:
-            runs.append(run_once(credit, seed, max_steps))
-            print(json.dumps(asdict(runs[-1])), flush=True)
+def _task_report(runs: list[Learnt]) -> dict[str, Any]:
+    """One task's medians per mode and its ratios."""
     medians = summarise(runs)
+    turn_level = [mode for mode in ("tree", "turn_mc") if mode in medians]
+    best = min(turn_level, key=lambda mode: medians[mode]["tokens"], default=None)
     return {
-        "figure": "turn_credit",
-        "seeds": len(seeds),
-        "max_steps": max_steps,
-        "threshold": THRESHOLD,
-        "window": WINDOW,
         **medians,
+        "best_turn_level": best,
+        "episode_over_best_tokens": _ratio(medians, "episode", best, "tokens") if best else None,
+        "anchor_over_tree_tokens": _ratio(medians, "anchor", "tree", "tokens"),
+        "episode_over_tree_tokens": _ratio(medians, "episode", "tree", "tokens"),
         "episode_over_turn_mc_tokens": _ratio(medians, "episode", "turn_mc", "tokens"),
         "episode_over_turn_mc_wall": _ratio(medians, "episode", "turn_mc", "wall_s"),
         "episode_over_anchor_tokens": _ratio(medians, "episode", "anchor", "tokens"),
         "runs": len(runs),
         "not_reached": sum(not run.reached for run in runs),
         "runs_not_reached": [f"{run.credit}/{run.seed}" for run in runs if not run.reached],
+    }
+
+
+def measure(
+    modes: list[str], seeds: list[int], max_steps: int, tasks: list[str] | None = None
+) -> dict[str, Any]:
+    reports: dict[str, dict[str, Any]] = {}
+    for task in tasks or list(TASKS):
+        runs: list[Learnt] = []
+        for credit in modes:
+            for seed in seeds:
+                runs.append(run_once(credit, seed, max_steps, task))
+                print(json.dumps({"task": task, **asdict(runs[-1])}), flush=True)
+        reports[task] = _task_report(runs)
+    corridor = reports.pop("corridor", {})
+    return {
+        "figure": "turn_credit",
+        "seeds": len(seeds),
+        "max_steps": max_steps,
+        "threshold": THRESHOLD,
+        "window": WINDOW,
+        **corridor,  # the corridor's at the top level, as before
+        **reports,
+        "tasks_meeting_target": sum(
+            (report.get("episode_over_best_tokens") or 0) >= 1.5
+            for report in [corridor, *reports.values()]
+            if report
+        ),
         "load_avg_1m": os.getloadavg()[0],  # at the end; other processes swamp these
     }
 
@@ -194,10 +229,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one seed: a smoke run")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     parser.add_argument("--max-steps", type=int, default=MAX_STEPS, help="step cap per run")
     args = parser.parse_args()
     seeds = list(SEEDS[:1] if args.quick else SEEDS)
-    print(json.dumps(measure(args.modes, seeds, args.max_steps)))
+    print(json.dumps(measure(args.modes, seeds, args.max_steps, args.tasks)))
 
 
 if __name__ == "__main__":

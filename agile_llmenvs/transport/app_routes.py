@@ -3,8 +3,10 @@
 
 :func:`register_routes` builds :func:`~agile_llmenvs.transport.asgi.create_asgi_app`'s app and
 adds a route per path it serves to ``app.router`` (``/health``, ``/metadata``, ``/schema``,
-``/sessions``, ``POST /mcp``, the ``/ws`` and ``/mcp`` WebSockets, and in simulation mode
-``POST /reset``, ``/step`` and ``GET /state``), each handing its requests to that app. The
+``/sessions``, ``POST /mcp``, the ``/ws`` and ``/mcp`` WebSockets, in simulation mode
+``POST /reset``, ``/step`` and ``GET /state``, and in production mode the ``/harness``
+WebSocket, which the app refuses (403, as for no route) unless the env is an OpenEnv
+``HarnessEnvironment``), each handing its requests to that app. The
 user's own routes, middleware and ``/docs`` stay theirs: ``app.routes`` lists ours beside
 them, where mounting the app at ``/`` would hide them all behind one mount.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from agile_llmenvs.transport.asgi import AsgiApp, create_asgi_app
+from agile_llmenvs.transport.harness_route import HARNESS_PATH
 from agile_llmenvs.transport.served import EnvLike
 
 __all__ = ["register_routes"]
@@ -53,7 +56,8 @@ def register_routes(app: Any, env: EnvLike | None = None, **arguments: Any) -> A
     routes = _ALWAYS + (_SIMULATION if served.host.routes.mode == "simulation" else ())
     for path, method in routes:
         app.router.routes.append(Route(path, served, methods=[method]))
-    for path in _WEBSOCKETS:
+    production = served.host.routes.mode == "production"
+    for path in _WEBSOCKETS + ((HARNESS_PATH,) if production else ()):
         app.router.routes.append(WebSocketRoute(path, served))
     on_shutdown = getattr(app.router, "on_shutdown", None)
     if isinstance(on_shutdown, list):

@@ -9,7 +9,8 @@ replies to any ASGI server: HTTP requests go to the same
 session code reads). Beside them, as OpenEnv's ``create_app`` does, ``GET /openapi.json``
 (OpenAPI 3.1, with the env's action, observation and state JSON schemas), ``/docs`` (Swagger
 UI) and ``/redoc``. ``mode="production"`` drops ``POST /reset``, ``/step`` and ``GET /state``,
-as OpenEnv's production mode does.
+as OpenEnv's production mode does, and serves OpenEnv's ``/harness`` WebSocket when the env is
+an OpenEnv ``HarnessEnvironment`` (:mod:`~agile_llmenvs.transport.harness_route`).
 
 No web framework is needed: the app is a plain ASGI callable.
 """
@@ -28,6 +29,7 @@ from urllib.parse import parse_qs
 from websockets.exceptions import ConnectionClosed, ConnectionClosedError, ConnectionClosedOK
 from websockets.frames import Close
 
+from agile_llmenvs.transport.harness_route import HARNESS_PATH
 from agile_llmenvs.transport.http import SERVER_ERROR, HttpRequest, HttpResponse
 from agile_llmenvs.transport.openapi import openapi_document, redoc_html, swagger_html
 from agile_llmenvs.transport.routes import ServerMode, server_mode
@@ -80,7 +82,8 @@ def create_asgi_app(
     ``mode`` is OpenEnv's server mode: ``"simulation"`` serves every route above;
     ``"production"`` drops the simulation controls ``POST /reset``, ``/step`` and
     ``GET /state`` (404, as OpenEnv's ``register_routes(app, mode="production")`` does) and
-    keeps the rest, ``/ws`` sessions included. None reads ``OPENENV_MODE`` (default
+    keeps the rest, ``/ws`` sessions included, and serves the ``/harness`` WebSocket for an
+    OpenEnv ``HarnessEnvironment``. None reads ``OPENENV_MODE`` (default
     ``"simulation"``), as ``create_app`` does.
 
     Run it with ``uvicorn module:app --http
@@ -239,8 +242,9 @@ class AsgiApp:
         connect = await receive()
         if connect["type"] != "websocket.connect":
             return
-        if path not in ("/ws", "/mcp") or not self.host.authorized(
-            headers.get("authorization", ""), query
+        if not self.host.authorized(headers.get("authorization", ""), query) or not (
+            path in ("/ws", "/mcp")
+            or (path == HARNESS_PATH and await self.host.harness.serves(self.host.routes.mode))
         ):
             # refused before the handshake: the ASGI server answers 403
             await send({"type": "websocket.close", "code": 1008})
@@ -251,6 +255,8 @@ class AsgiApp:
         try:
             if path == "/mcp":
                 await self.host.routes.serve_mcp_socket(ws)
+            elif path == HARNESS_PATH:
+                await self.host.harness.serve_socket(ws)
             else:
                 # the session code reads what AsgiWebSocket has of a websockets ServerConnection
                 await self.host.handle(cast(Any, ws))

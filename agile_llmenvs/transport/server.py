@@ -62,7 +62,8 @@ class OpenEnvServer:
         mode: OpenEnv's server mode: ``"simulation"`` serves every route; ``"production"``
             drops the simulation controls ``POST /reset``, ``/step`` and ``GET /state`` (404,
             as OpenEnv's ``register_routes(app, mode="production")``) and keeps the rest,
-            ``/ws`` sessions included. None reads ``OPENENV_MODE`` (default
+            ``/ws`` sessions included, and serves OpenEnv's ``/harness`` WebSocket for an
+            OpenEnv ``HarnessEnvironment``. None reads ``OPENENV_MODE`` (default
             ``"simulation"``), as ``create_app`` does.
 
     Raises:

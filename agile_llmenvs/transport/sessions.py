@@ -29,6 +29,7 @@ from agile_llmenvs.transport._openenv import Environment, deserialize_action
 from agile_llmenvs.transport.env_calls import Discard
 from agile_llmenvs.transport.env_pool import EnvPool
 from agile_llmenvs.transport.env_types import EnvTypes
+from agile_llmenvs.transport.harness_route import HARNESS_PATH, HarnessRoute
 from agile_llmenvs.transport.http import SERVER_ERROR, HttpRequest, HttpResponse
 from agile_llmenvs.transport.idle import IdleClock, close_when_idle
 from agile_llmenvs.transport.mcp import parse_rpc
@@ -73,6 +74,7 @@ class SessionHost:
         self.settings = pool.settings
         self.token = token
         self.routes = HttpRoutes(pool)
+        self.harness = HarnessRoute(pool)
         if token is not None and not token:
             raise ValueError(
                 "token is empty: an empty token would accept every client; pass a secret, or "
@@ -93,6 +95,9 @@ class SessionHost:
             return _response(_FORBIDDEN)
         if path == "/ws" or (path == "/mcp" and _is_upgrade(request)):
             return None
+        if path == HARNESS_PATH and _is_upgrade(request):
+            # an unserved /harness is refused as create_app's router refuses it
+            return None if await self.harness.serves(self.routes.mode) else _response(_NO_ROUTE)
         try:
             answer = await self.routes.get(path)
         except Exception:
@@ -151,11 +156,16 @@ class SessionHost:
     async def handle(self, ws: ServerConnection) -> None:
         """Serve one connection: at ``/ws``, one env from its first valid message to its
         close; at ``/mcp``, an MCP session for the connection's life
-        (:meth:`HttpRoutes.serve_mcp_socket`)."""
+        (:meth:`HttpRoutes.serve_mcp_socket`); at ``/harness``, a harness session
+        (:meth:`HarnessRoute.serve_socket`)."""
         path = ws.request.path if ws.request is not None else ""
         if urlsplit(path).path.rstrip("/") == "/mcp":
             with contextlib.suppress(ConnectionClosed, Discard):
                 await self.routes.serve_mcp_socket(ws)
+            return
+        if urlsplit(path).path.rstrip("/") == HARNESS_PATH:
+            with contextlib.suppress(ConnectionClosed):
+                await self.harness.serve_socket(ws)
             return
         session_id = parse_qs(urlsplit(path).query).get("session_id", [""])[0]
         if session_id:  # a session made over HTTP (OpenEnv's MCPToolClient): counted already
@@ -380,6 +390,8 @@ def _plain_text_step(env: Environment, types: EnvTypes, data: dict[str, Any]) ->
 
 
 _FORBIDDEN = HttpResponse(HTTPStatus.FORBIDDEN, {"detail": "missing or wrong token"})
+#: A WebSocket to a path with no route, as uvicorn answers one for create_app: 403, no body.
+_NO_ROUTE = HttpResponse(HTTPStatus.FORBIDDEN, "", text=True)
 
 
 def _is_upgrade(request: Request) -> bool:

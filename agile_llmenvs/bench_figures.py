@@ -78,6 +78,10 @@ _CREDIT = (
     "GRPO on the corridor (`manifests/grpo_corridor.yaml`) until the mean reward of 5 steps"
     " reaches 0.9, median over seeds"
 )
+_EVERY = (
+    "GRPO on every-turn (`manifests/grpo_every_turn.yaml`) until the mean reward of 5 steps"
+    " reaches 0.9, median over seeds"
+)
 
 FIGURES: dict[str, tuple[Figure, ...]] = {
     "terminal_redteam": (
@@ -420,11 +424,54 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
             detail="{episode.tokens} vs {anchor.tokens}, {anchor.steps} steps for `anchor`",
         ),
         Figure(
+            "episode_over_best_tokens",
+            f"{_CREDIT}: tokens sampled, episode credit over the best of `tree` and `turn_mc`",
+            target=_at_least(1.5),
+            detail="{episode.tokens} vs `tree` {tree.tokens}, `turn_mc` {turn_mc.tokens}",
+        ),
+        Figure(
             "not_reached",
             "runs of the same bench stopped at the step cap before reaching 0.9 (counted at"
             " the cap)",
             unit="",
             detail="of {runs}",
+        ),
+        Figure(
+            "every_turn.episode_over_best_tokens",
+            f"{_EVERY}: tokens sampled, episode credit over the best of `tree` and `turn_mc`",
+            target=_at_least(1.5),
+            detail="{every_turn.episode.tokens} vs `tree` {every_turn.tree.tokens}, `turn_mc`"
+            " {every_turn.turn_mc.tokens}",
+        ),
+        Figure(
+            "every_turn.anchor_over_tree_tokens",
+            f"{_EVERY}: tokens sampled, `anchor` over `tree` (`tree` ahead above 1)",
+            target=_at_least(1.0),
+            detail="{every_turn.anchor.tokens} vs {every_turn.tree.tokens}",
+        ),
+        Figure(
+            "every_turn.not_reached",
+            "every-turn runs stopped at the step cap before reaching 0.9 (counted at the cap)",
+            unit="",
+            detail="of {every_turn.runs}",
+        ),
+    ),
+    "peer_trl": (
+        Figure(
+            "quickstart.trl_over_ours",
+            "quick start (800 GRPO steps, 8 x 8, the tiny model): seconds per step, TRL 1.16's"
+            " `GRPOTrainer` over our loop (model load included)",
+            target=_at_least(1.5),
+            detail="{quickstart.trl.s_per_step} s vs {quickstart.ours.s_per_step} s; mean"
+            " reward of the last 20 steps {quickstart.ours.reward_last20} ours,"
+            " {quickstart.trl.reward_last20} TRL's",
+        ),
+        Figure(
+            "corridor.trl_over_ours",
+            "corridor (100 steps, 4 turns, 4 x 8, `credit: episode`): seconds per step, TRL"
+            " through our `TRLEnv` over our loop",
+            target=_at_least(1.5),
+            detail="{corridor.trl.s_per_step} s vs {corridor.ours.s_per_step} s",
         ),
     ),
 }

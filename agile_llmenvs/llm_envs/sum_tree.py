@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 
 __all__ = ["SumTree"]
@@ -11,7 +13,10 @@ class SumTree:
     """Non-negative weights over ``size`` items, drawn in proportion in O(log n).
 
     The weights sit in the leaves of a complete binary tree whose inner nodes hold the sums
-    of their children, so an update walks one root path and a draw descends one.
+    of their children, so an update walks one root path and a draw descends one. The nodes
+    are an ``array('d')`` (8 bytes each, as in numpy) because the walks are single reads,
+    which an array serves as plain Python floats at about a third of a numpy scalar read's
+    cost out of cache; the tree is built level by level in numpy.
     """
 
     def __init__(self, size: int, initial: float = 1.0) -> None:
@@ -19,19 +24,23 @@ class SumTree:
             raise ValueError(f"a sum tree needs at least one item, got {size}")
         self.size = size
         self.capacity = 1 << (size - 1).bit_length()
-        self.tree = np.zeros(2 * self.capacity, dtype=np.float64)
-        self.tree[self.capacity : self.capacity + size] = initial
-        for node in range(self.capacity - 1, 0, -1):
-            self.tree[node] = self.tree[2 * node] + self.tree[2 * node + 1]
+        nodes = np.zeros(2 * self.capacity, dtype=np.float64)
+        nodes[self.capacity : self.capacity + size] = initial
+        width = self.capacity
+        while width > 1:  # each level: the pairwise sums of the one below
+            below = nodes[width : 2 * width]
+            nodes[width // 2 : width] = below[0::2] + below[1::2]
+            width //= 2
+        self.tree = array("d", nodes.tobytes())
 
     @property
     def total(self) -> float:
         """The sum of all weights."""
-        return float(self.tree[1])
+        return self.tree[1]
 
     def weight(self, index: int) -> float:
         """The weight of item ``index``."""
-        return float(self.tree[self.capacity + index])
+        return self.tree[self.capacity + index]
 
     def update(self, index: int, weight: float) -> None:
         """Set item ``index``'s weight."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ __all__ = ["Task", "TaskAssigner", "TaskRowStats", "TaskRowWeight", "check_rank"
 
 _DEFAULT_SEED = 0x5EED
 _SEED_SPACE = 2**31 - 1
+_BLOCK = 64  # uniforms drawn at once for adaptive draws
 
 
 _RANK_FIELDS = {
@@ -160,6 +161,11 @@ class TaskAssigner:
         self._static = np.arange(rank, dataset_size, world_size)
         self.stats = TaskRowStats(len(self._static)) if self.adaptive else None
         self._rng = np.random.default_rng([self.seed, rank, 1])
+        # adaptive draws take their uniforms from blocks of _rng's doubles (the same stream
+        # one at a time would give): a scalar numpy draw costs more than the tree's walk
+        self._block_state: Mapping[str, Any] = self._rng.bit_generator.state
+        self._block: list[float] = []
+        self._used = 0
 
     @property
     def num_epochs(self) -> int:
@@ -285,7 +291,8 @@ class TaskAssigner:
         state: dict[str, Any] = {
             "epoch": self.epoch,
             "position": self.position,
-            "rng": self._rng.bit_generator.state,
+            "rng": self._block_state if self._block else self._rng.bit_generator.state,
+            "rng_used": self._used if self._block else 0,
         }
         if self.stats is not None:
             state["rate"] = self.stats.rate.tolist()
@@ -297,6 +304,10 @@ class TaskAssigner:
         if self.dataset_size:
             self._shard = self._epoch_shard(self.epoch)
         self._rng.bit_generator.state = state["rng"]
+        self._block, self._used = [], 0
+        if state.get("rng_used"):  # mid-block: draw the block again, skip what was used
+            self._uniform()
+            self._used = int(state["rng_used"])
         if self.stats is not None and "rate" in state:
             rates = np.asarray(state["rate"], dtype=np.float64)
             self.stats = TaskRowStats(
@@ -314,9 +325,20 @@ class TaskAssigner:
         return shard
 
     def _adaptive_row(self) -> int:
-        """A row of this rank's static shard, drawn by weight in O(log n)."""
+        """A row of this rank's static shard (``rank + k * world_size``), drawn by weight in
+        O(log n)."""
         assert self.stats is not None
-        return int(self._static[self.stats.tree.sample(self._rng)])
+        tree = self.stats.tree
+        return self.rank + tree.find(self._uniform() * tree.total) * self.world_size
+
+    def _uniform(self) -> float:
+        """The next of ``_rng``'s doubles in [0, 1), from the current block of them."""
+        if self._used == len(self._block):
+            self._block_state = self._rng.bit_generator.state
+            self._block = self._rng.random(_BLOCK).tolist()
+            self._used = 0
+        self._used += 1
+        return self._block[self._used - 1]
 
     def row_weight(self, row_index: int) -> float:
         """The adaptive sampling weight of one of this rank's rows."""

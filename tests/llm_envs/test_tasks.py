@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -116,6 +117,47 @@ def test_sum_tree_draws_in_proportion_and_updates() -> None:
     assert abs(counts[4] / 20000 - 0.6) < 0.02
     with pytest.raises(ValueError, match="non-negative"):
         tree.update(0, -1.0)
+
+
+def test_a_sum_tree_built_with_weights_holds_their_sums() -> None:
+    # 5 items of weight 2: the total 10, each item's interval [2k, 2k + 2)
+    tree = SumTree(5, initial=2.0)
+    assert tree.total == 10.0
+    assert [tree.find(m) for m in (0.0, 1.99, 2.0, 7.99, 8.0, 9.99)] == [0, 0, 1, 3, 4, 4]
+    # 40,000 items of weight 1 in 65,536 leaves: item k's interval [k, k + 1), across
+    # subtree boundaries at every level
+    big = SumTree(40_000, initial=1.0)
+    assert big.total == 40_000.0
+    masses = (0.5, 31.5, 32.5, 1023.5, 1024.5, 32767.5, 32768.5, 39999.5)
+    assert [big.find(m) for m in masses] == [0, 31, 32, 1023, 1024, 32767, 32768, 39999]
+    big.update(39_999, 0.0)
+    big.update(5, 3.0)  # item 5 now holds [5, 8); the later items move up by 2
+    assert (big.total, big.weight(39_999), big.weight(5)) == (40_001.0, 0.0, 3.0)
+    assert [big.find(m) for m in (4.5, 5.0, 7.99, 8.0, 40_000.5)] == [4, 5, 5, 6, 39_998]
+
+
+@pytest.mark.parametrize("saved_at", [0, 1, 63, 64, 100])
+def test_adaptive_draws_resume_exactly_from_a_state_saved_mid_block(saved_at: int) -> None:
+    """Uniforms come in blocks of 64: a state saved anywhere in a block, through JSON,
+    resumes the same rows and weights."""
+
+    def play(assigner: TaskAssigner, draws: int, start: int = 0) -> list[int]:
+        rows = []
+        for i in range(start, start + draws):
+            row = assigner.next_task().row_index
+            assert row is not None
+            rows.append(row)
+            assigner.record_outcome(row, [0.0, float(i % 3 == 0)])
+        return rows
+
+    first = TaskAssigner(500, seed=3, adaptive=True, rank=1, world_size=2)
+    before = play(first, saved_at)
+    saved = json.loads(json.dumps(first.state_dict()))
+    after = play(first, 150, saved_at)
+    resumed = TaskAssigner(500, seed=3, adaptive=True, rank=1, world_size=2)
+    resumed.load_state_dict(saved)
+    assert play(resumed, 150, saved_at) == after
+    assert all(row % 2 == 1 for row in before + after)
 
 
 def test_row_stats_decay_toward_recent_outcomes() -> None:

@@ -39,6 +39,7 @@ __all__ = [
     "anchor_signal",
     "anchor_turn_advantages",
     "batch_turn_advantages",
+    "group_turn_scales",
     "mc_segments",
     "mc_turn_advantages",
     "returns_to_go",
@@ -135,6 +136,29 @@ def turn_scale(reward_scale: float, squares: float, count: int) -> float:
     if count == 0:
         return reward_scale
     return max(reward_scale, math.sqrt(squares / count))
+
+
+def group_turn_scales(
+    squares_G2: torch.Tensor,
+    scale_G1: torch.Tensor,
+    normalise: bool,
+    *,
+    batch_scale: bool = False,
+    sum_over_processes: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[float]:
+    """Each group's :func:`turn_scale` from its turn terms' ``(sum of squares, count)``
+    (``squares_G2``), over the whole batch (every process's) for ``batch_scale``; the reward
+    scale alone when not ``normalise``."""
+    groups = squares_G2.shape[0]
+    if batch_scale:
+        totals = squares_G2.sum(dim=0)
+        totals = sum_over_processes(totals) if sum_over_processes is not None else totals
+        squares_G2 = totals.expand(groups, 2)
+    reward_scales = torch.broadcast_to(scale_G1, (groups, 1)).flatten().tolist()
+    return [
+        turn_scale(scale, float(squares), int(count)) if normalise else scale
+        for scale, (squares, count) in zip(reward_scales, squares_G2.tolist(), strict=True)
+    ]
 
 
 def anchor_key(samples: Sequence[TokenSample], turn: int) -> tuple[int, ...]:
@@ -343,15 +367,13 @@ def _mc_batch(
     for index, terms in enumerate(segments):
         for _, _, term in terms or ():
             squares_G2[index // size] += torch.tensor([term * term, 1.0], dtype=torch.float64)
-    if batch_scale:
-        totals = squares_G2.sum(dim=0)
-        totals = sum_over_processes(totals) if sum_over_processes is not None else totals
-        squares_G2 = totals.expand(groups, 2)
-    reward_scales = torch.broadcast_to(scale_G1, (groups, 1)).flatten().tolist()
-    scales = [
-        turn_scale(scale, float(squares), int(count)) if normalise else scale
-        for scale, (squares, count) in zip(reward_scales, squares_G2.tolist(), strict=True)
-    ]
+    scales = group_turn_scales(
+        squares_G2,
+        scale_G1,
+        normalise,
+        batch_scale=batch_scale,
+        sum_over_processes=sum_over_processes,
+    )
     per_turn: list[list[float] | None] = []
     for index, terms in enumerate(segments):
         if terms is None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from agile_llmenvs.core import EpisodeData, StopReason, TokenSample, Trajectory
-from agile_llmenvs.training.credit.advantages import TurnAdvantages, mc_segments, turn_scale
+from agile_llmenvs.training.credit.advantages import TurnAdvantages, group_turn_scales, mc_segments
 
 __all__ = ["Branch", "TreeTerms", "branch_samples", "tree_terms", "tree_turn_advantages"]
 
@@ -174,15 +174,13 @@ def tree_turn_advantages(
         squares_G2[index // size] += torch.tensor(
             [sum(v * v for v in values), float(len(values))], dtype=torch.float64
         )
-    if batch_scale:
-        totals = squares_G2.sum(dim=0)
-        totals = sum_over_processes(totals) if sum_over_processes is not None else totals
-        squares_G2 = totals.expand(groups, 2)
-    reward_scales = torch.broadcast_to(scale_G1, (groups, 1)).flatten().tolist()
-    scales = [
-        turn_scale(scale, float(squares), int(count)) if normalise else scale
-        for scale, (squares, count) in zip(reward_scales, squares_G2.tolist(), strict=True)
-    ]
+    scales = group_turn_scales(
+        squares_G2,
+        scale_G1,
+        normalise,
+        batch_scale=batch_scale,
+        sum_over_processes=sum_over_processes,
+    )
     per_turn: list[list[float] | None] = []
     rows: list[tuple[TokenSample, list[float]]] = []
     for index, tree in enumerate(trees):

@@ -192,13 +192,9 @@ class TRLEnv:
         """``train_dataset`` and ``environment_factory``, for ``GRPOTrainer(**...)``: TRL
         generates every turn and plays the env as tool calls (see docs/trl.md). The dataset
         is :attr:`dataset` with a ``task`` column, which each instance's ``reset`` reads."""
-        tools = self.tool_environments()
-        prompts, tasks = list(self.prompts), list(range(len(self.tasks)))
-        from datasets import Dataset
-
         return {
-            "train_dataset": Dataset.from_dict({"prompt": prompts, "task": tasks}),
-            "environment_factory": tools.environment_class,
+            "train_dataset": self.dataset.add_column("task", list(range(len(self.tasks)))),
+            "environment_factory": self.tool_environments().environment_class,
         }
 
     def tool_environments(self) -> ToolEnvironments:

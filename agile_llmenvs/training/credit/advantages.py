@@ -39,10 +39,13 @@ __all__ = [
     "anchor_signal",
     "anchor_turn_advantages",
     "batch_turn_advantages",
+    "group_baselines",
     "group_turn_scales",
     "mc_segments",
     "mc_turn_advantages",
     "returns_to_go",
+    "segment_advantages",
+    "term_squares",
     "turn_scale",
 ]
 
@@ -110,10 +113,27 @@ def mc_turn_advantages(
     Returns:
         ``T`` advantages, turn by turn.
     """
+    return segment_advantages(mc_segments(rewards, values, baseline), scale)
+
+
+def segment_advantages(segments: Sequence[tuple[int, int, float]], scale: float) -> list[float]:
+    """Per-turn advantages from ``(b, c, term)`` segments: each turn ``b .. c-1`` its
+    segment's term over ``scale``."""
     advantages: list[float] = []
-    for start, end, term in mc_segments(rewards, values, baseline):
+    for start, end, term in segments:
         advantages.extend([term / scale] * (end - start))
     return advantages
+
+
+def term_squares(terms: Sequence[float]) -> torch.Tensor:
+    """``[sum of squares, count]`` of turn terms, what :func:`group_turn_scales` sums."""
+    return torch.tensor([sum(t * t for t in terms), float(len(terms))], dtype=torch.float64)
+
+
+def group_baselines(rewards_GN: torch.Tensor, kept_GN: torch.Tensor) -> list[float]:
+    """Each group's mean return over its kept members: ``V(s_0)``."""
+    counts = kept_GN.sum(dim=1).clamp(min=1)
+    return ((rewards_GN * kept_GN).sum(dim=1) / counts).tolist()
 
 
 def turn_scale(reward_scale: float, squares: float, count: int) -> float:
@@ -352,21 +372,19 @@ def _mc_batch(
 ) -> TurnAdvantages:
     """``turn_mc``'s part of :func:`batch_turn_advantages`."""
     groups, size = rewards_GN.shape
-    counts = kept_GN.sum(dim=1).clamp(min=1)
-    baselines = ((rewards_GN * kept_GN).sum(dim=1) / counts).tolist()
+    baselines = group_baselines(rewards_GN, kept_GN)
     segments: list[list[tuple[int, int, float]] | None] = []
     fallback = 0
+    squares_G2 = torch.zeros(groups, 2, dtype=torch.float64)  # sum of squares, count
     for index, (t, keep) in enumerate(zip(trajectories, kept_GN.flatten().tolist(), strict=True)):
         if not keep:  # kept implies finished
             segments.append(None)
             continue
         valued = values.get(t.slot, {})
         fallback += int(t.episode.num_turns >= 2 and not valued)
-        segments.append(mc_segments(t.episode.rewards, valued, baselines[index // size]))
-    squares_G2 = torch.zeros(groups, 2, dtype=torch.float64)  # sum of squares, count
-    for index, terms in enumerate(segments):
-        for _, _, term in terms or ():
-            squares_G2[index // size] += torch.tensor([term * term, 1.0], dtype=torch.float64)
+        terms = mc_segments(t.episode.rewards, valued, baselines[index // size])
+        segments.append(terms)
+        squares_G2[index // size] += term_squares([term for _, _, term in terms])
     scales = group_turn_scales(
         squares_G2,
         scale_G1,
@@ -374,13 +392,8 @@ def _mc_batch(
         batch_scale=batch_scale,
         sum_over_processes=sum_over_processes,
     )
-    per_turn: list[list[float] | None] = []
-    for index, terms in enumerate(segments):
-        if terms is None:
-            per_turn.append(None)
-            continue
-        turns: list[float] = []
-        for start, end, term in terms:
-            turns.extend([term / scales[index // size]] * (end - start))
-        per_turn.append(turns)
+    per_turn = [
+        None if terms is None else segment_advantages(terms, scales[index // size])
+        for index, terms in enumerate(segments)
+    ]
     return TurnAdvantages(per_turn, fallback)

@@ -33,7 +33,14 @@ from dataclasses import dataclass
 import torch
 
 from agile_llmenvs.core import EpisodeData, StopReason, TokenSample, Trajectory
-from agile_llmenvs.training.credit.advantages import TurnAdvantages, group_turn_scales, mc_segments
+from agile_llmenvs.training.credit.advantages import (
+    TurnAdvantages,
+    group_baselines,
+    group_turn_scales,
+    mc_segments,
+    segment_advantages,
+    term_squares,
+)
 
 __all__ = ["Branch", "TreeTerms", "branch_samples", "tree_terms", "tree_turn_advantages"]
 
@@ -153,8 +160,7 @@ def tree_turn_advantages(
         continuations' rows (``branch_rows``, see :func:`branch_samples`).
     """
     groups, size = rewards_GN.shape
-    counts = kept_GN.sum(dim=1).clamp(min=1)
-    baselines = ((rewards_GN * kept_GN).sum(dim=1) / counts).tolist()
+    baselines = group_baselines(rewards_GN, kept_GN)
     by_slot: dict[int, list[Branch]] = {}
     for branch in branches:
         if branch.episode.stop_reason is not StopReason.ENV_ERROR:
@@ -170,9 +176,8 @@ def tree_turn_advantages(
         terms = tree_terms(t.episode.rewards, own, baselines[index // size])
         fallback += int(t.episode.num_turns >= 2 and not terms.values)
         trees.append((terms, own))
-        values = [term for _, _, term in terms.segments] + terms.branches
-        squares_G2[index // size] += torch.tensor(
-            [sum(v * v for v in values), float(len(values))], dtype=torch.float64
+        squares_G2[index // size] += term_squares(
+            [term for _, _, term in terms.segments] + terms.branches
         )
     scales = group_turn_scales(
         squares_G2,
@@ -189,10 +194,7 @@ def tree_turn_advantages(
             continue
         terms, own = tree
         scale = scales[index // size]
-        turns: list[float] = []
-        for start, end, term in terms.segments:
-            turns.extend([term / scale] * (end - start))
-        per_turn.append(turns)
+        per_turn.append(segment_advantages(terms.segments, scale))
         for branch, term in zip(own, terms.branches, strict=True):
             if branch.turn in terms.values:
                 rows.extend(branch_samples(branch, term / scale))

@@ -279,6 +279,8 @@ def test_grpo_trains_with_turn_mc_and_logs_what_the_credit_cost(
         assert row["credit_fallback_episodes"] == 0
         assert 0 < row["credit_tokens"] <= 8 * 2 * 2 * 4  # at most 2 turns of 4 tokens
         assert 0 < row["policy_tokens"] <= 4 * 3 * 4
+        # the continuations only value states: the episodes' own tokens are all that train
+        assert row["trained_tokens"] == row["policy_tokens"]
         assert row["credit_time_s"] > 0
         assert 0 < row["credit_env_time_s"] < row["credit_time_s"]
         assert math.isfinite(row["loss"])
@@ -295,8 +297,9 @@ def test_grpo_trains_with_tree_credit_on_the_continuations_too(
         assert row["credit_fallback_episodes"] == 0
         assert 0 < row["credit_tokens"] <= 8 * 2 * 2 * 4
         # every token sampled, the episodes' and the continuations', is trained once
-        trained = row["tokens_per_s"] * row["step_time_s"]
-        assert round(trained) == row["policy_tokens"] + row["credit_tokens"]
+        assert row["trained_tokens"] == row["policy_tokens"] + row["credit_tokens"]
+        throughput = row["tokens_per_s"] * row["step_time_s"]
+        assert round(throughput) == row["trained_tokens"]
         assert math.isfinite(row["loss"])
 
 

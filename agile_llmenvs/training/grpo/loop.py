@@ -75,6 +75,7 @@ GRPO_METRICS = (
     "policy_lag_max",
     "policy_tokens",
     "credit_tokens",
+    "trained_tokens",
     "credit_states",
     "credit_fallback_episodes",
     "credit_time_s",
@@ -328,14 +329,14 @@ def _step_row(
     }
     row = _reduce(run.accelerator, local, "mean")
     totals = {
-        "tokens": float(batch.action_mask_BT.sum()),
+        "trained_tokens": float(batch.action_mask_BT.sum()),
         "informative_groups": float(rollout.informative_groups),
         **counts,
     }
     totals = _reduce(run.accelerator, totals, "sum")
     row.update(
         step=float(step),
-        tokens_per_s=totals.pop("tokens") / max(row["step_time_s"], 1e-9),
+        tokens_per_s=totals["trained_tokens"] / max(row["step_time_s"], 1e-9),
         **totals,
     )
     return row

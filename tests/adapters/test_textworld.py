@@ -245,7 +245,7 @@ def test_validate_builds_the_shipped_manifest(
     assert main(["validate", str(bad)]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"error {bad}: run manifest, 1 problem(s)",
-        "  env.entrypoint: textworld: quest_length must be at least 1, got 0"
+        "  env.entrypoint: textworld: quest_length must be at least 1, got 0",
     ]
 
 

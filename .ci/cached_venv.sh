@@ -41,9 +41,11 @@ if [ ! -f "$venv/.complete" ]; then
         esac
     done
     touch "$venv/.complete"
+    set +f  # the glob below must expand (set -f kept the old venvs forever)
     for old in "$root/$name"-*; do
         [ "$old" = "$venv" ] || rm -rf "$old"
     done
+    set -f
 else
     echo "cached_venv: reusing $name ($key)" >&2
 fi

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from network_refused import REFUSE_NETWORK
 
 from agile_llmenvs.envs import make_rollout_env_factory
 from agile_llmenvs.llm_envs import RolloutCollector, StopReason
@@ -201,19 +202,9 @@ def test_reset_with_a_seed_replays_whatever_else_draws_randomness() -> None:
     assert first.game.state.game_state["game_number"] == second.game.state.game_state["game_number"]
 
 
-OFFLINE_BUILD = """
-import socket
-
-attempts = []
-
-
-def refuse(*args, **kwargs):
-    attempts.append(args[:2])
-    raise OSError("network disabled by the test")
-
-
-socket.getaddrinfo = refuse
-socket.socket.connect = lambda self, *a: refuse(*a)
+OFFLINE_BUILD = (
+    REFUSE_NETWORK
+    + """
 from agile_llmenvs.adapters.textarena import make
 
 for game in ("GuessTheNumber-v0", "Mastermind-v0", "TicTacToe-v0"):
@@ -223,6 +214,7 @@ for game in ("GuessTheNumber-v0", "Mastermind-v0", "TicTacToe-v0"):
     env.close()
 print("attempts", attempts)
 """
+)
 
 
 def test_import_and_games_stay_offline() -> None:

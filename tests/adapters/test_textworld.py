@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from network_refused import REFUSE_NETWORK
 
 from agile_llmenvs.branching import BranchManager
 from agile_llmenvs.config.factories import EnvironmentFactory
@@ -186,14 +187,9 @@ def test_an_episode_branches_mid_game(games_dir: Path, strategy: str) -> None:
         assert (result.reward, result.terminated) == (0.0, False)
 
 
-OFFLINE_PLAY = """
-import socket
-attempts = []
-def refuse(*args, **kwargs):
-    attempts.append(args[:2])
-    raise OSError("network disabled by the test")
-socket.getaddrinfo = refuse
-socket.socket.connect = lambda self, *a: refuse(*a)
+OFFLINE_PLAY = (
+    REFUSE_NETWORK
+    + """
 import sys
 from agile_llmenvs.adapters.textworld import make
 env = make(games_dir=sys.argv[1], answer_by_number=True, games=None, first_seed=40)
@@ -202,6 +198,7 @@ env.step("1")
 env.close()
 print("attempts", attempts)
 """
+)
 
 
 def test_generating_and_playing_stay_offline(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agile_llmenvs._cache import cache_root
 from agile_llmenvs.errors import AgileLLMEnvsError
 
 __all__ = [
@@ -266,9 +267,7 @@ def default_tiny_model_dir() -> Path:
         ``$AGILE_LLMENVS_CACHE/tiny-model-v1`` if that variable is set and non-empty,
         else ``~/.cache/agile_llmenvs/tiny-model-v1``.
     """
-    root = os.environ.get("AGILE_LLMENVS_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "agile_llmenvs"
-    return base / f"tiny-model-v{_FORMAT_VERSION}"
+    return cache_root() / f"tiny-model-v{_FORMAT_VERSION}"
 
 
 def ensure_tiny_model() -> Path:

@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from agile_llmenvs._cache import cache_root
 from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.tiny_model import (
     ENDOFTEXT,
@@ -203,9 +204,7 @@ def build_tiny_vlm(
 def default_tiny_vlm_dir() -> Path:
     """Where the default tiny VLM is cached (beside the tiny model: ``$AGILE_LLMENVS_CACHE``,
     else ``~/.cache/agile_llmenvs``)."""
-    root = os.environ.get("AGILE_LLMENVS_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "agile_llmenvs"
-    return base / f"tiny-vlm-v{_FORMAT_VERSION}"
+    return cache_root() / f"tiny-vlm-v{_FORMAT_VERSION}"
 
 
 def ensure_tiny_vlm() -> Path:

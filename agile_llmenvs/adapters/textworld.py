@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agile_llmenvs._cache import cache_root
 from agile_llmenvs.errors import EnvBuildError, EnvStateError, OptionalDependencyError
 
 __all__ = ["GameSettings", "TextWorldEnv", "default_games_dir", "generated_game", "make"]
@@ -62,10 +63,9 @@ class GameSettings:
 
     def __post_init__(self) -> None:
         for name in ("world_size", "nb_objects", "quest_length"):
-            if getattr(self, name) < 1:
-                raise EnvBuildError(
-                    f"textworld: {name} must be at least 1, got {getattr(self, name)}"
-                )
+            value = getattr(self, name)
+            if value < 1:
+                raise EnvBuildError(f"textworld: {name} must be at least 1, got {value}")
 
     @property
     def key(self) -> str:
@@ -76,9 +76,7 @@ class GameSettings:
 def default_games_dir() -> Path:
     """Where generated games are kept: ``$AGILE_LLMENVS_CACHE/textworld`` if that variable is
     set and non-empty, else ``~/.cache/agile_llmenvs/textworld``."""
-    root = os.environ.get("AGILE_LLMENVS_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "agile_llmenvs"
-    return base / "textworld"
+    return cache_root() / "textworld"
 
 
 def generated_game(settings: GameSettings, seed: int, games_dir: Path | None = None) -> Path:
@@ -207,10 +205,11 @@ class TextWorldEnv:
         command = action.strip()
         if self.answer_by_number:
             number = _NUMBER.search(action)
-            if number is None or not 1 <= int(number.group()) <= len(self.commands):
+            index = int(number.group()) if number is not None else 0
+            if not 1 <= index <= len(self.commands):
                 text = f"Answer with the number of a command, 1 to {len(self.commands)}."
                 return self._with_commands(text, None), 0.0, False, False, {"invalid": True}
-            command = self.commands[int(number.group()) - 1]
+            command = self.commands[index - 1]
         state, reward = self._play(command)
         info = {"command": command, "score": self._score, "won": bool(state.won)}
         text = self._with_commands(_clean(state.feedback), state, over=self._done)
@@ -238,14 +237,11 @@ class TextWorldEnv:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._textworld = _import_textworld()
-        if self._path is None:
-            return
-        played, done = list(self._played), self._done
-        last = self._restart(self._path)
-        for command in played:
-            last, _ = self._play(command)
-        self.commands = list(last.admissible_commands or [])
-        self._done = done
+        if self._path is not None:  # the listed commands, score and end come back by replay
+            played = self._played
+            self._restart(self._path)
+            for command in played:
+                self._play(command)
 
     def _restart(self, path: Path) -> Any:
         """Start (or restart) the game at ``path``: its first state."""
@@ -324,16 +320,10 @@ def make(
         OptionalDependencyError: ``textworld`` is not installed.
         EnvBuildError: a setting is out of range, or ``entrypoint`` is not a game file.
     """
-    if entrypoint != CUSTOM:
-        return TextWorldEnv(
-            entrypoint,
-            games_dir=games_dir,
-            answer_by_number=answer_by_number,
-            list_commands=list_commands,
-            max_turns=max_turns,
-        )
+    custom = entrypoint == CUSTOM
     return TextWorldEnv(
-        settings=GameSettings(world_size, nb_objects, quest_length, theme),
+        None if custom else entrypoint,
+        settings=GameSettings(world_size, nb_objects, quest_length, theme) if custom else None,
         games=games,
         first_seed=first_seed,
         games_dir=games_dir,

@@ -19,7 +19,7 @@ from agile_llmenvs.core import (
 )
 from agile_llmenvs.errors import StaleEpisodeError
 from agile_llmenvs.llm_envs.batch_builder import BatchBuilder
-from agile_llmenvs.llm_envs.continuous import ContinuousRollouts
+from agile_llmenvs.llm_envs.continuous import ContinuousRollouts, Observer
 from agile_llmenvs.llm_envs.harness import RolloutHarness
 from agile_llmenvs.llm_envs.slots import SlotPool
 from agile_llmenvs.llm_envs.tasks import TaskAssigner, check_rank
@@ -32,9 +32,6 @@ __all__ = ["EpisodeHandle", "Generate", "Observer", "RolloutCollector", "TurnSig
 
 Generate = Callable[[list[list[int]]], Sequence[Any]]
 """A policy: context ids of every live slot -> sampled ids (or ``(ids, logps)``) for each."""
-
-Observer = Callable[[dict[int, RolloutHarness]], None]
-"""Sees the harness of every live slot, by slot, before each generation of a batch."""
 
 TurnSignal = Callable[[tuple[Trajectory, ...]], bool]
 """Says whether a played group's turns carry credit, so that ``dynamic_sampling`` keeps it
@@ -319,6 +316,7 @@ class RolloutCollector:
         dynamic_sampling: bool = False,
         max_attempts: int = 4,
         turn_signal: TurnSignal | None = None,
+        observe: Observer | None = None,
     ) -> RolloutBatch:
         """Play a whole batch as :meth:`collect` does (the same tasks in the same order,
         contiguous groups, dynamic sampling and ``turn_signal``, failures as values), with
@@ -331,15 +329,22 @@ class RolloutCollector:
         ``version`` read before its first request (``policy_version``). An env call that
         raises or outlives ``io_timeout_s``, and a request that raises
         :class:`~agile_llmenvs.errors.GenerationServerError`, fail only their episode.
+        ``observe`` sees each episode's harness (``{slot: harness}``) on the session loop
+        before each of its requests, as :meth:`collect`'s sees the live slots before each
+        generation.
         """
         builder = self._batch_builder(dynamic_sampling, max_attempts, turn_signal)
-        return SESSION_LOOP.run(self._collect_continuous(builder, backend, params))
+        return SESSION_LOOP.run(self._collect_continuous(builder, backend, params, observe))
 
     async def _collect_continuous(
-        self, builder: BatchBuilder, backend: AsyncTokenBackend, params: SamplingParams
+        self,
+        builder: BatchBuilder,
+        backend: AsyncTokenBackend,
+        params: SamplingParams,
+        observe: Observer | None = None,
     ) -> RolloutBatch:
         assigner = await self._aassigner()
-        return await self._continuous.collect(builder, assigner.next_task, backend, params)
+        return await self._continuous.collect(builder, assigner.next_task, backend, params, observe)
 
     async def aplay_group(
         self, backend: AsyncTokenBackend, params: SamplingParams

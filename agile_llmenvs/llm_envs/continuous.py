@@ -36,9 +36,13 @@ from agile_llmenvs.llm_envs.slots import SlotPool
 if TYPE_CHECKING:  # llm_envs does not import the backends layer
     from agile_llmenvs.backends.types import AsyncTokenBackend, SamplingParams
 
-__all__ = ["ContinuousRollouts", "request_seed"]
+__all__ = ["ContinuousRollouts", "Observer", "request_seed"]
 
 T = TypeVar("T")
+
+#: Called with live slots' harnesses (by slot) before each of their generations: the point
+#: to checkpoint their episodes (``credit: turn_mc`` / ``tree``).
+Observer = Callable[[dict[int, RolloutHarness]], None]
 
 
 def request_seed(seed: int | None, episode: int, turn: int) -> int | None:
@@ -80,12 +84,15 @@ class ContinuousRollouts:
         next_task: Callable[[], Task],
         backend: AsyncTokenBackend,
         params: SamplingParams,
+        observe: Observer | None = None,
     ) -> RolloutBatch:
         """The batch ``builder`` assembles, every group of a round played at once, on the
         tasks ``next_task`` draws (see :meth:`RolloutCollector.collect_continuous`)."""
         while builder.wants_round():
             tasks = [next_task() for _ in range(self.groups)]
-            played = [self.play_group(backend, params, task, g) for g, task in enumerate(tasks)]
+            played = [
+                self.play_group(backend, params, task, g, observe) for g, task in enumerate(tasks)
+            ]
             builder.add_round(await _all(played))
         return builder.batch()
 
@@ -99,9 +106,15 @@ class ContinuousRollouts:
         return await self.play_group(backend, params, next_task(), group)
 
     async def play_group(
-        self, backend: AsyncTokenBackend, params: SamplingParams, task: Task, group: int
+        self,
+        backend: AsyncTokenBackend,
+        params: SamplingParams,
+        task: Task,
+        group: int,
+        observe: Observer | None = None,
     ) -> tuple[Trajectory, ...]:
         """Play ``task``'s group on ``group_size`` free slots; trajectories in member order.
+        ``observe`` sees each episode's harness (``{slot: harness}``) before every request.
 
         Episode numbers (which seed the requests) are taken before the slots are awaited, so
         they follow the order groups were started in.
@@ -110,7 +123,10 @@ class ContinuousRollouts:
         slots = await self._acquire(self.group_size)
         try:
             played = await _all(
-                [self._episode(backend, params, s, task, first + m) for m, s in enumerate(slots)]
+                [
+                    self._episode(backend, params, s, task, first + m, observe)
+                    for m, s in enumerate(slots)
+                ]
             )
         finally:
             self._release(slots)
@@ -128,6 +144,7 @@ class ContinuousRollouts:
         slot: int,
         task: Task,
         episode: int,
+        observe: Observer | None = None,
     ) -> tuple[EpisodeData, int | None]:
         """Play one episode to its end: ``(its data, the policy version of its first request)``."""
         version: int | None = None
@@ -136,6 +153,8 @@ class ContinuousRollouts:
             await self._env_call(slot, harness.areset(**task.reset_kwargs()))
             turn = 0
             while not harness.done:
+                if observe is not None:  # on the loop, between this episode's env calls
+                    observe({slot: harness})
                 if version is None:  # versions only rise: the oldest policy of the episode
                     version = backend.version
                 request = replace(params, seed=request_seed(params.seed, episode, turn))

@@ -352,12 +352,6 @@ class TrainingSpec(BaseModel):
         if self.algorithm != "grpo":
             raise fail("credit", f"{self.credit!r} is GRPO's; {self.algorithm!r} has no turns")
         branched = self.credit in ("turn_mc", "tree")
-        if branched and self.generation_backend == "vllm_server":
-            raise fail(
-                "credit",
-                f"{self.credit!r} branches states on the lock-step path; `generation_backend: "
-                "vllm_server` plays episodes ahead on servers: use `hf` or `vllm`",
-            )
         if branched and self.dynamic_sampling:
             raise fail(
                 "credit",

@@ -50,6 +50,7 @@ class _Collector:
         *,
         dynamic_sampling: bool,
         turn_signal: Any = None,
+        observe: Any = None,
     ) -> RolloutBatch:
         self.events.append(f"round{self.rounds}@v{backend.version}")
         self.seeds.append(params.seed)

@@ -13,6 +13,14 @@ first turn was requested (``Trajectory.policy_version``). A group with a member 
 ``max_staleness`` versions at the step that would train on it is dropped and counted; the
 importance ratio is taken against the servers' own log-probs of each sampled token (the
 behaviour policy), so a sample one version old is still weighted correctly.
+
+With ``credit: turn_mc`` or ``tree`` the producer checkpoints every episode at its turn
+boundaries while the round plays, then plays the continuations from those states on the
+servers too (one request per continuation and turn, all in flight at once) before it hands
+the round over: the round carries its states' values and, for ``tree``, its branches. The
+continuations sample with the version served when they start, never older than their
+episodes'; a group whose values came from a version older than ``max_staleness`` allows is
+dropped as a stale member's is.
 """
 
 from __future__ import annotations
@@ -30,11 +38,23 @@ from typing import Any
 
 from agile_llmenvs.backends.types import SamplingParams
 from agile_llmenvs.core import RolloutBatch
+from agile_llmenvs.core.images import ImagePrompt
 from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.llm_envs.collector import RolloutCollector, TurnSignal
+from agile_llmenvs.llm_envs.continuous import request_seed
 from agile_llmenvs.specs.manifest import VLLMServerSpec
+from agile_llmenvs.training.credit import (
+    CreditSettings,
+    StateValues,
+    TurnCheckpoints,
+    collector_checkpoints,
+    estimate_values,
+)
 
-__all__ = ["Round", "ServerRollouts", "server_backend"]
+__all__ = ["Round", "ServerContinuations", "ServerRollouts", "server_backend"]
+
+#: The episode number of continuations' request seeds (episodes are numbered from 0).
+_CONTINUATIONS = -1
 
 
 @dataclass(frozen=True)
@@ -44,10 +64,49 @@ class Round:
     Attributes:
         step: The training step (0-based) it is for.
         batch: The groups played.
+        values: ``credit: turn_mc`` / ``tree``: its states' values (and ``tree``'s
+            branches), from continuations played on the servers; None otherwise.
     """
 
     step: int
     batch: RolloutBatch
+    values: StateValues | None = None
+
+
+class ServerContinuations:
+    """:func:`~agile_llmenvs.training.credit.estimate_values`'s policy on the servers: each
+    call (a round of the continuations) sends one request per continuation, all in flight at
+    once; a failed request fails its continuation alone.
+
+    Round ``k``'s requests are seeded from ``request_seed(params.seed, -1, k)`` (the
+    episodes' own requests use episode numbers from 0), request ``i`` of it as
+    :meth:`~agile_llmenvs.backends.VLLMServerBackend.generate` seeds it.
+
+    Attributes:
+        version: The version the servers held before the first request.
+    """
+
+    def __init__(self, backend: Any, params: SamplingParams) -> None:
+        self.backend, self.params = backend, params
+        self.version: int = backend.version
+        self._rounds = 0
+
+    def __call__(self, contexts: list[Any]) -> list[Any]:
+        seed = request_seed(self.params.seed, _CONTINUATIONS, self._rounds)
+        self._rounds += 1
+        prompts = [c for c in contexts if not isinstance(c, ImagePrompt)]
+        if len(prompts) < len(contexts):
+            raise AgileLLMEnvsError(
+                "vllm_server generates from ids alone but a continuation's prompt shows "
+                "images: train image envs with generation_backend: hf"
+            )
+        results = self.backend.generate_results(
+            prompts, dataclasses.replace(self.params, seed=seed)
+        )
+        return [
+            r if isinstance(r, BaseException) else (list(r.token_ids), list(r.logprobs))
+            for r in results
+        ]
 
 
 class _Failed:
@@ -72,6 +131,9 @@ class ServerRollouts:
         dynamic_sampling: Refill groups whose rewards are all equal (see
             :meth:`RolloutCollector.collect`).
         turn_signal: Keeps such a group when its turns carry credit (``credit: anchor``).
+        credit: ``credit: turn_mc`` / ``tree``: value each round's states by continuations on
+            the servers (see the module docstring); None: no continuations.
+        keep_branches: ``tree``: keep the continuations as training paths.
         push_weights: Loads ``(policy, version)`` into the servers; ``None``:
             ``backend.sync_weights`` (one training process). Several processes pass a
             :class:`~agile_llmenvs.training.generation.ServerWeightSync`, which every process
@@ -91,6 +153,8 @@ class ServerRollouts:
         max_steps: int,
         dynamic_sampling: bool = False,
         turn_signal: TurnSignal | None = None,
+        credit: CreditSettings | None = None,
+        keep_branches: bool = False,
         push_weights: Callable[[Any, int], object] | None = None,
     ) -> None:
         if max_staleness < sync_every - 1:
@@ -103,6 +167,8 @@ class ServerRollouts:
         self.max_staleness, self.sync_every = max_staleness, sync_every
         self.start_step, self.max_steps = start_step, max_steps
         self.dynamic_sampling, self.turn_signal = dynamic_sampling, turn_signal
+        self.credit, self.keep_branches = credit, keep_branches
+        self._checkpoints: TurnCheckpoints | None = None  # the producer's, for the whole run
         self._push_weights = push_weights or self._sync_backend
         self._rounds: queue.Queue[Round | _Failed] = queue.Queue()
         self._served = threading.Condition()  # notified at each sync and at close
@@ -147,15 +213,23 @@ class ServerRollouts:
             raise AgileLLMEnvsError(f"the round for step {item.step} came for step {step}")
         return item, waited
 
-    def stale_groups(self, batch: RolloutBatch, step: int) -> list[bool]:
+    def stale_groups(
+        self, batch: RolloutBatch, step: int, values: StateValues | None = None
+    ) -> list[bool]:
         """Per group: whether a member that trains is older than ``max_staleness`` versions at
-        ``step`` (or has no version). A failed member trains on nothing and is left out: one
-        whose env failed before its first request has no version, and used to drop its
-        whole group."""
+        ``step`` (or has no version), or (``values``) its states were valued by continuations
+        of an older version. A failed member trains on nothing and is left out: one whose env
+        failed before its first request has no version, and used to drop its whole group."""
         oldest_allowed = step - self.max_staleness
+        stale_slots: set[int] = set()
+        version = values.policy_version if values is not None else None
+        if values is not None and version is not None and version < oldest_allowed:
+            stale_slots = set(values.values) | {branch.slot for branch in values.branches}
         return [
             any(
-                t.policy_version is None or t.policy_version < oldest_allowed
+                t.policy_version is None
+                or t.policy_version < oldest_allowed
+                or t.slot in stale_slots
                 for t in group
                 if not t.failed
             )
@@ -170,12 +244,15 @@ class ServerRollouts:
             return copy.deepcopy(state if state is not None else self.collector.state_dict())
 
     def close(self) -> None:
-        """Stop producing (a round in play finishes first, or fails once the servers go)."""
+        """Stop producing (a round in play finishes first, or fails once the servers go),
+        then free the credit's checkpoints (ProcessFork's zygote)."""
         self._stop.set()
         with self._served:
             self._served.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout=self.backend_timeout_s)
+        if self._checkpoints is not None:
+            self._checkpoints.close()
 
     @property
     def backend_timeout_s(self) -> float:
@@ -202,17 +279,37 @@ class ServerRollouts:
                 self._snapshots[step] = copy.deepcopy(self.collector.state_dict())
             params = dataclasses.replace(self.params, seed=self.round_seed(step))
             try:
-                batch = self.collector.collect_continuous(
-                    self.backend,
-                    params,
-                    dynamic_sampling=self.dynamic_sampling,
-                    turn_signal=self.turn_signal,
-                )
+                played = self._play(step, params)
             except BaseException as exc:  # the trainer raises it at its next round
                 self._rounds.put(_Failed(exc))
                 return
-            self._rounds.put(Round(step, batch))
+            self._rounds.put(played)
             step += 1
+
+    def _play(self, step: int, params: SamplingParams) -> Round:
+        """Play the round of ``step``, and with ``credit`` its continuations after it."""
+        if self.credit is not None and self._checkpoints is None:
+            self._checkpoints = collector_checkpoints(self.collector, self.credit)
+        checkpoints = self._checkpoints
+        try:
+            batch = self.collector.collect_continuous(
+                self.backend,
+                params,
+                dynamic_sampling=self.dynamic_sampling,
+                turn_signal=self.turn_signal,
+                observe=checkpoints,
+            )
+            if checkpoints is None:
+                return Round(step, batch)
+            continuations = ServerContinuations(self.backend, params)
+            values = estimate_values(
+                checkpoints, batch.trajectories, continuations, keep_branches=self.keep_branches
+            )
+            values.policy_version = continuations.version
+            return Round(step, batch, values)
+        finally:
+            if checkpoints is not None:
+                checkpoints.release()
 
 
 def server_backend(

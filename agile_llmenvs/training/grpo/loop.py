@@ -221,8 +221,9 @@ def _step(
 
     ``env_time_s`` is everything but generation, learning, the weight sync and the
     ``turn_mc`` continuations (``credit_time_s``): the envs, the harness, the collector,
-    advantages and batch building. With servers the rollouts
-    were played ahead; ``gen_time_s`` is then the time this step waited for them.
+    advantages and batch building. With servers the rollouts (and their continuations)
+    were played ahead; ``gen_time_s`` is then the time this step waited for them, and
+    ``credit_time_s`` the producer's time on the continuations, overlapping it.
     """
     step_start = time.perf_counter()
     rollout, rewards_GN, gen_time, values = _collect(run, settings, seed, step - 1)
@@ -230,7 +231,7 @@ def _step(
     finished_GN = finished_GN.view_as(rewards_GN)
     fresh_GN = torch.ones_like(finished_GN)
     if run.server is not None:  # a stale group is dropped whole: its advantages are relative
-        stale_G = torch.tensor(run.server.stale_groups(rollout, step - 1))
+        stale_G = torch.tensor(run.server.stale_groups(rollout, step - 1, values))
         fresh_GN &= ~stale_G[:, None]
     advantages_GN, kept_GN, turns = step_advantages(
         settings, run.accelerator, rollout, rewards_GN, finished_GN & fresh_GN, values
@@ -254,11 +255,13 @@ def _step(
     sync_time = time.perf_counter() - sync_start
     step_time = time.perf_counter() - step_start
     credit_time = values.seconds if values is not None else 0.0
+    # with servers the continuations were played by the producer, inside gen_time's wait
+    credit_in_step = credit_time if run.server is None else 0.0
     timings = {
         "credit_time_s": credit_time,
         "credit_env_time_s": values.env_seconds if values is not None else 0.0,
         "gen_time_s": gen_time,
-        "env_time_s": step_time - gen_time - credit_time - learn_time - sync_time,
+        "env_time_s": step_time - gen_time - credit_in_step - learn_time - sync_time,
         "learn_time_s": learn_time,
         "weight_sync_time_s": sync_time,
         "step_time_s": step_time,
@@ -366,7 +369,9 @@ def _collect(
         rewards_GN = group_rewards(
             [t.reward for t in played.batch.trajectories], settings.group_size
         )
-        return played.batch, rewards_GN, waited, None
+        if played.values is not None:
+            _warn_refused(played.values, run.credit_refusals)
+        return played.batch, rewards_GN, waited, played.values
     run.sampler.params = dataclasses.replace(run.sampler.params, seed=seed)
     run.sampler.seconds, run.sampler.calls = 0.0, 0
     run.accelerator.unwrap_model(run.model).eval()

@@ -263,6 +263,8 @@ def _server_rollouts(
             max_steps=settings.max_steps,
             dynamic_sampling=settings.dynamic_sampling,
             turn_signal=turn_signal(settings),
+            credit=settings.continuations,
+            keep_branches=settings.credit == "tree",
             push_weights=ServerWeightSync(backend, rank=rank, world_size=accelerator.num_processes),
         )
     except BaseException:

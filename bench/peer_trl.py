@@ -19,7 +19,10 @@ Two rows, each run in fresh processes on the built-in tiny model, ours and TRL's
 Settings that cannot be made equal: TRL builds each batch from dataset rows drawn by its own
 sampler (8 prompts, each repeated 8 times), ours deals tasks from its own assigner; the
 random streams differ, so rewards are compared as means over the last 20 steps, not step by
-step. Each side loads the model inside its measured time.
+step. Each side loads the model inside its measured time, and starts its clock with the same
+libraries imported: ``torch``, ``transformers`` (its tokenizer and trainer modules),
+``accelerate`` and ``datasets`` (TRL's side imports ``trl`` too, and so ``peft``); whatever
+else a side's training call imports (the model's class, say) is in its time.
 
 Figures, per row: seconds per step (the whole training call's wall time over its steps,
 model loading included), the mean reward over the first and last 20 steps, and
@@ -47,6 +50,9 @@ CORRIDOR = ROOT / "manifests" / "grpo_corridor.yaml"
 
 _OURS = """
 import json, sys, time
+# the libraries TRL's script has imported when its clock starts (it imports trl itself too)
+import accelerate, datasets
+from transformers import AutoTokenizer, TrainerCallback
 from agile_llmenvs.specs import load_manifest
 from agile_llmenvs.training import train_grpo
 

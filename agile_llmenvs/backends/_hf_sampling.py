@@ -3,7 +3,12 @@
 It shapes the distribution as a :class:`~agile_llmenvs.backends.types.TokenDistribution`
 says (repetition penalty, temperature, then ``min_p``, ``top_k`` and ``top_p``, in vLLM's
 order, with the trainer's own functions) and records, step by step, the log-prob of each
-sampled token under it: what a trainer scoring the sampled ids computes. Only one step's
+sampled token under it: what a trainer scoring the sampled ids computes. When it samples, it
+draws the token itself, by inverting each row's cumulative distribution at one uniform draw
+(:func:`draw`), and hands ``generate`` (run greedy) scores whose only finite entry is that
+token: ``generate``'s own sampler, ``torch.multinomial`` without replacement, costs 0.6 ms
+a step for 64 rows of the tiny model's 450 ids on one CPU thread (it draws an exponential per
+id), the inversion 0.04 ms. Only one step's
 log-probs are held at a time, so memory is O(batch x vocab) however long the completion,
 instead of one ``[B, V]`` tensor per token.
 
@@ -20,7 +25,24 @@ from transformers import LogitsProcessor
 from agile_llmenvs.backends._shaping import context_mask, penalize_, shape_
 from agile_llmenvs.backends.types import TokenDistribution
 
-__all__ = ["SampledLogprobs"]
+__all__ = ["SampledLogprobs", "draw"]
+
+
+def draw(probs_BV: torch.Tensor) -> torch.Tensor:
+    """One id per row of ``probs_BV`` (non-negative weights, each row with one above 0),
+    drawn with probability proportional to its weight, from the default generator of the
+    rows' device: the first id whose cumulative weight (summed in float64) passes a uniform
+    draw over the row's total. An id of weight 0 is never drawn.
+
+    Returns:
+        ``[B]`` long ids.
+    """
+    cdf_BV = probs_BV.cumsum(dim=-1, dtype=torch.float64)
+    u_B1 = torch.rand((probs_BV.shape[0], 1), dtype=torch.float64, device=probs_BV.device)
+    ids_B = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True)[:, 0]
+    # a draw rounded up to the total would land past the end: take the last id of weight
+    last_B = probs_BV.shape[1] - 1 - (probs_BV > 0).flip(-1).int().argmax(dim=-1)
+    return torch.minimum(ids_B, last_B)
 
 
 class SampledLogprobs(LogitsProcessor):
@@ -39,6 +61,9 @@ class SampledLogprobs(LogitsProcessor):
         distribution: What shapes the scores.
         prompt_starts: The first real column of each row of the left-padded prompts: the
             repetition penalty counts the tokens from there on, not the padding.
+        sample: Draw each step's token here (:func:`draw`) and return scores that are
+            ``-inf`` but at it, for a greedy ``generate`` to pick; False: return the shaped
+            scores (greedy decoding picks their argmax).
         forbidden: Ids never sampled (a vision-language model's image placeholders, which
             only the processor places). They are not in the recorded log-probs' set either
             way: those stay the distribution's, what the trainer computes.
@@ -50,8 +75,10 @@ class SampledLogprobs(LogitsProcessor):
         *,
         prompt_starts: Sequence[int] = (),
         forbidden: tuple[int, ...] = (),
+        sample: bool = False,
     ):
         self._distribution = distribution
+        self._sample = sample
         self._prompt_starts = list(prompt_starts)
         self._forbidden = list(forbidden)
         self._seen_BV: torch.Tensor | None = None  # the tokens in each row's context
@@ -67,7 +94,8 @@ class SampledLogprobs(LogitsProcessor):
             scores: ``[B, V]`` next-token logits.
 
         Returns:
-            The shaped scores: ``-inf`` outside the kept set (and at the forbidden ids).
+            The shaped scores: ``-inf`` outside the kept set (and at the forbidden ids); when
+            sampling, ``-inf`` but at the drawn token (0 there).
         """
         self._gather_pending(input_ids)
         logits_BV = scores.float()
@@ -81,7 +109,11 @@ class SampledLogprobs(LogitsProcessor):
         if self._forbidden:
             shaped_BV = shaped_BV.clone() if shaped_BV is scaled_BV else shaped_BV
             shaped_BV[:, self._forbidden] = -float("inf")
-        return shaped_BV
+        if not self._sample:
+            return shaped_BV
+        ids_B1 = draw(torch.softmax(shaped_BV, dim=-1))[:, None]
+        chosen_BV = torch.full_like(shaped_BV, -float("inf"))
+        return chosen_BV.scatter_(1, ids_B1, 0.0)
 
     def _context(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor | None:
         """The tokens in each row's context, kept up to date one column a step (only under

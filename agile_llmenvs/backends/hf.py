@@ -241,14 +241,14 @@ class HFBackend(LocalChatBackend):
         return ids.to(device), mask.to(device)
 
     def _generate_kwargs(self, params: SamplingParams) -> dict[str, Any]:
-        """``generate``'s settings beyond the prompts: the length, the stops and the
-        decoding mode (the sampler shapes the distribution itself)."""
+        """``generate``'s settings beyond the prompts: the length and the stops. It decodes
+        greedily: the sampler shapes the distribution and draws each token itself."""
         kwargs: dict[str, Any] = {
             "max_new_tokens": params.max_tokens,
             "pad_token_id": self._pad_id,
             "eos_token_id": sorted(self._eos_ids),
-            "do_sample": not params.greedy,
-            "top_k": None if params.greedy else 0,  # transformers' default would add 50
+            "do_sample": False,
+            "top_k": None,
         }
         if params.stop:
             kwargs.update(stop_strings=list(params.stop), tokenizer=self._tokenizer)
@@ -314,7 +314,10 @@ def _sampler(
     from agile_llmenvs.backends.types import TokenDistribution
 
     return SampledLogprobs(
-        TokenDistribution.of(params), prompt_starts=prompt_starts, forbidden=forbidden
+        TokenDistribution.of(params),
+        prompt_starts=prompt_starts,
+        forbidden=forbidden,
+        sample=not params.greedy,
     )
 
 

@@ -255,7 +255,9 @@ def test_generate_keeps_no_per_step_logits_and_adds_no_warpers(
         for flag in ("output_logits", "output_scores", "return_dict_in_generate"):
             assert not kwargs.get(flag), flag
         assert len(kwargs["logits_processor"]) == 1
-    assert calls[0]["top_k"] == 0  # transformers' default would add a top-k of 50
+        # greedy over the sampler's scores (the sampler draws): transformers adds no warper,
+        # and no top-k of 50 as its default would
+        assert (kwargs["do_sample"], kwargs["top_k"]) == (False, None)
 
 
 def test_sampling_ends_at_eos_or_the_token_budget(hf_backend: HFBackend) -> None:

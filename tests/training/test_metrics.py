@@ -99,3 +99,30 @@ def test_sft_run_logs_its_metrics_to_tensorboard_across_a_resume(
     for key in ("loss", "grad_norm", "tokens"):
         assert [step for step, _ in scalars[key]] == [1, 2, 3, 4]
         assert [value for _, value in scalars[key]] == pytest.approx([r[key] for r in rows])
+
+
+def test_the_plot_is_drawn_without_touching_the_processs_matplotlib_backend(
+    tmp_path: Path,
+) -> None:
+    """A notebook's backend stays as it was (the plot used to call ``matplotlib.use("Agg")``)
+    and ``pyplot`` is not imported; the PNG has one 4.5 x 3.2 inch panel a key at 100 dpi."""
+    import subprocess
+
+    from PIL import Image
+
+    metrics = tmp_path / "metrics.csv"
+    metrics.write_text("step,loss,reward_mean\n1,0.5,0.1\n2,0.25,\n3,0.125,0.3\n")
+    png = tmp_path / "metrics.png"
+    script = (
+        "import sys, matplotlib; matplotlib.use('pdf')\n"
+        "from pathlib import Path\n"
+        "from agile_llmenvs.training.run.metrics import plot_metrics\n"
+        f"plot_metrics(Path({str(metrics)!r}), Path({str(png)!r}), ('loss', 'reward_mean'))\n"
+        "print(matplotlib.get_backend(), 'matplotlib.pyplot' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    assert done.stdout.split() == ["pdf", "False"]
+    with Image.open(png) as image:
+        assert image.size == (2 * 450, 320)

@@ -184,18 +184,22 @@ def tail_mean(path: Path, key: str, *, last_step: int, share: float = 0.1) -> Ta
 
 
 def plot_metrics(metrics_path: Path, png_path: Path, keys: Sequence[str]) -> Path | None:
-    """Plot ``keys`` against ``step``, one panel each; skipped (None) without matplotlib."""
-    try:
-        import matplotlib
+    """Plot ``keys`` against ``step``, one panel each; skipped (None) without matplotlib.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    The figure is drawn on its own Agg canvas, not through ``pyplot``: the process's
+    matplotlib backend (a notebook's, say) is left as it is, and ``pyplot`` is not imported.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError:
         warnings.warn("matplotlib is not installed: no plot of the run", stacklevel=2)
         return None
     rows = read_metrics(metrics_path)
     steps = [row["step"] for row in rows]
-    figure, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.2), squeeze=False)
+    figure = Figure(figsize=(4.5 * len(keys), 3.2))
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, len(keys), squeeze=False)
     for axis, key in zip(axes[0], keys, strict=True):
         points = [(step, row[key]) for step, row in zip(steps, rows, strict=True)]
         points = [(x, y) for x, y in points if not math.isnan(y)]  # steps without the metric
@@ -206,5 +210,4 @@ def plot_metrics(metrics_path: Path, png_path: Path, keys: Sequence[str]) -> Pat
         axis.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(png_path, dpi=100)
-    plt.close(figure)
     return png_path

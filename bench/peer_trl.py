@@ -170,7 +170,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=800, help="quick-start steps per run")
     parser.add_argument("--multi-turn-steps", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=1, help="runs of each side per row")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="runs of each side per row (medians are reported)"
+    )
     parser.add_argument(
         "--rows", nargs="+", choices=["quickstart", "corridor"], default=["quickstart", "corridor"]
     )

@@ -229,14 +229,15 @@ class HFBackend(LocalChatBackend):
     def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[Any, Any]:
         import torch
 
-        width = max(len(p) for p in prompts)
-        if min(len(p) for p in prompts) == 0:
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        if min(lengths) == 0:
             raise ValueError("every prompt needs at least one token")
-        ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-            mask[row, width - len(prompt) :] = 1
+        pad = self._pad_id  # one tensor from one padded list: no tensor per row
+        ids = torch.tensor(
+            [[pad] * (width - n) + list(p) for p, n in zip(prompts, lengths, strict=True)]
+        )
+        mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
         device = self.model.device
         return ids.to(device), mask.to(device)
 

@@ -156,18 +156,24 @@ def _name_of_constant(value: float) -> str:
     return "Infinity" if value > 0 else "-Infinity"
 
 
+#: Values that hold no float: skipped without a call (nearly every value of an env's info).
+_NO_FLOAT = frozenset({str, int, bool, type(None)})
+
+
 def _non_finite(value: Any, path: tuple[str, ...]) -> tuple[tuple[str, ...], float] | None:
     """The path of the first non-finite float in ``value`` (dicts and lists), if any."""
     if isinstance(value, float):
         return None if math.isfinite(value) else (path, value)
     if isinstance(value, dict):
-        items: Any = ((str(k), v) for k, v in value.items())
+        items: Any = value.items()
     elif isinstance(value, list | tuple):
-        items = ((str(i), v) for i, v in enumerate(value))
+        items = enumerate(value)
     else:
         return None
     for key, item in items:
-        found = _non_finite(item, (*path, key))
+        if type(item) in _NO_FLOAT:
+            continue
+        found = _non_finite(item, (*path, str(key)))
         if found is not None:
             return found
     return None

@@ -89,3 +89,34 @@ def test_a_bf16_model_without_lora_fails_at_load_naming_what_to_set() -> None:
     lora = _manifest(model={"dtype": "bfloat16"})
     lora["training"] = {"algorithm": "sft", "lora": {"r": 4}}
     RunManifest.model_validate(lora)  # adapters on a bf16 base are fine
+
+
+def test_a_plain_fp32_model_steps_with_the_fused_kernel_as_adamw_says() -> None:
+    """AdamW's first step by hand: m = (1 - b1) g and v = (1 - b2) g^2, bias-corrected back to
+    g and g^2, so each weight moves by lr * g / (|g| + eps), after the decoupled decay
+    w * (1 - lr * wd); the bias takes no decay."""
+    layer = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[1.0, -2.0], [0.5, 0.0]]))
+        layer.bias.copy_(torch.tensor([0.25, -0.75]))
+    optimizer = make_optimizer(layer, learning_rate=0.1, weight_decay=0.5)
+    assert all(group["fused"] for group in optimizer.param_groups)
+    layer.weight.grad = torch.tensor([[2.0, -0.5], [0.0, 4.0]])
+    layer.bias.grad = torch.tensor([-1.0, 3.0])
+    optimizer.step()
+    eps = 1e-8
+    weight = [  # row by row
+        1.0 * 0.95 - 0.1 * 2 / (2 + eps),
+        -2.0 * 0.95 + 0.1 * 0.5 / (0.5 + eps),
+        0.5 * 0.95 - 0.0,
+        0.0 * 0.95 - 0.1 * 4 / (4 + eps),
+    ]
+    bias = [0.25 + 0.1 * 1 / (1 + eps), -0.75 - 0.1 * 3 / (3 + eps)]
+    assert layer.weight.flatten().tolist() == pytest.approx(weight, abs=1e-6)
+    assert layer.bias.tolist() == pytest.approx(bias, abs=1e-6)
+
+
+def test_half_precision_parameters_keep_the_default_adamw() -> None:
+    model = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    optimizer = make_optimizer(model, learning_rate=0.1, weight_decay=0.0)
+    assert not any(group["fused"] for group in optimizer.param_groups)

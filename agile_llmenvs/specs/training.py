@@ -315,6 +315,15 @@ class TrainingSpec(BaseModel):
         "ends at that turn, its return the rewards so far (unset: the episode's own turn "
         "budget).",
     )
+    credit_step_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="GRPO `turn_mc`, `tree`: tokens the continuations of one step may sample, "
+        "per process: states are valued in turn order across the batch's episodes (each "
+        "episode's first chosen state, then the second, ...) while their `credit_rollouts` "
+        "continuations, expected to sample what the episode did from there, fit; the rest keep "
+        "episode credit (unset: every chosen state).",
+    )
     credit_branching: Literal["auto", "direct", "process_fork", "action_replay"] = Field(
         "auto",
         description="GRPO `turn_mc`, `tree`: how states are branched (docs/branching.md): `direct` "

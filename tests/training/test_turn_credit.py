@@ -46,6 +46,8 @@ from agile_llmenvs.training.credit import (
     collector_checkpoints,
     estimate_values,
     mc_turn_advantages,
+    turn_values,
+    within_budget,
 )
 from agile_llmenvs.training.credit.tree import Branch, branch_samples
 from agile_llmenvs.training.grpo import build_policy_batch
@@ -207,6 +209,45 @@ def test_max_tokens_ends_a_continuation_with_its_rewards_so_far(tokenizer: Any) 
     assert values.values == {0: {1: 0.25, 2: 1.0}, 1: {1: 0.25, 2: 0.0}}
 
 
+def test_the_step_budget_takes_states_by_rank_and_skips_what_does_not_fit() -> None:
+    # (rank, tokens the episode sampled from the state on); 2 continuations a state
+    costs = [(0, 5), (1, 3), (0, 4), (1, 2)]
+    # rank 0 first: 2*5 = 10, then 2*4 = 8 (18); rank 1: 2*3 = 6 would make 24, skipped,
+    # 2*2 = 4 would make 22, skipped at 20 and taken at 22
+    assert within_budget(costs, 2, 20) == [True, False, True, False]
+    assert within_budget(costs, 2, 22) == [True, False, True, True]
+    assert within_budget(costs, 2, 9) == [False, False, True, False]  # 10 does not fit, 8 does
+    assert within_budget([(0, 0)], 3, 3) == [True]  # a state counts at least 1 token a rollout
+
+
+def test_a_step_budget_values_every_episodes_first_state_before_any_second(
+    tokenizer: Any,
+) -> None:
+    size = {c: len(tokenizer.encode(c, add_special_tokens=False)) + 1 for c in "ybz"}
+    # both episodes said "b" then "z" after s_1, and "z" after s_2: s_1 is expected to cost
+    # 2 * (b + z) a state, s_2 2 * z; the budget holds both s_1 and one s_2 (episode 0's,
+    # first in the batch)
+    budget = 2 * 2 * (size["b"] + size["z"]) + 2 * size["z"]
+    _, values, _, _ = play(tokenizer, step_tokens=budget)
+    assert values.values == {0: {1: 1.25, 2: 1.0}, 1: {1: 0.25}}
+    assert values.over_budget == 1
+    # s_1's continuations say "y" or "b", then "z"; episode 0's s_2's "z" twice
+    assert values.tokens == 2 * (size["y"] + size["b"] + 2 * size["z"]) + 2 * size["z"]
+    assert values.tokens <= budget or size["y"] > size["b"]
+
+
+def test_continuations_past_the_step_budget_end_with_their_rewards_so_far(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Expected costs of 1 token let every state in under a budget of 8, but the first
+    round alone samples more: the continuations from s_1, one turn in, end there ("y" pays
+    0, "b" 0.5); those from s_2 ended in that round."""
+    monkeypatch.setattr(turn_values, "sampled_from", lambda samples, turn: 1)
+    _, values, _, _ = play(tokenizer, step_tokens=8)
+    assert values.over_budget == 0
+    assert values.values == {0: {1: 0.25, 2: 1.0}, 1: {1: 0.25, 2: 0.0}}
+
+
 @pytest.mark.parametrize(
     ("env_cls", "branching", "reason"),
     [
@@ -301,6 +342,23 @@ def test_grpo_trains_with_tree_credit_on_the_continuations_too(
         throughput = row["tokens_per_s"] * row["step_time_s"]
         assert round(throughput) == row["trained_tokens"]
         assert math.isfinite(row["loss"])
+
+
+def test_a_step_budget_that_values_no_state_trains_on_and_counts_them(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A budget of 1 token has no room for any state (2 continuations of at least 1 token):
+    every episode keeps GRPO's advantage, and the run is not refused as one whose env
+    cannot branch."""
+    manifest = door_manifest(
+        tiny_model_dir, tmp_path / "run", credit="turn_mc", credit_rollouts=2, credit_step_tokens=1
+    )
+    result = train_grpo(manifest)
+    assert len(result.metrics) == 2
+    for row in result.metrics:
+        # 4 episodes of 3 turns, s_1 and s_2 of each chosen: 8 states, none valued
+        assert (row["credit_states"], row["credit_over_budget"]) == (0, 8)
+        assert (row["credit_tokens"], row["credit_fallback_episodes"]) == (0, 4)
 
 
 def test_a_run_whose_env_cannot_branch_is_refused_after_its_first_step(

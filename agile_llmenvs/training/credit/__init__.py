@@ -23,6 +23,7 @@ from agile_llmenvs.training.credit.turn_values import (
     TurnCheckpoints,
     collector_checkpoints,
     estimate_values,
+    within_budget,
 )
 
 __all__ = [
@@ -42,4 +43,5 @@ __all__ = [
     "mc_turn_advantages",
     "returns_to_go",
     "turn_scale",
+    "within_budget",
 ]

@@ -27,7 +27,12 @@ from agile_llmenvs._run_files import ROLLOUTS_FILE
 from agile_llmenvs.core import RolloutBatch, Trajectory
 from agile_llmenvs.errors import AgileLLMEnvsError
 from agile_llmenvs.specs import RunManifest
-from agile_llmenvs.training.credit import StateValues, collector_checkpoints, estimate_values
+from agile_llmenvs.training.credit import (
+    StateValues,
+    TurnAdvantages,
+    collector_checkpoints,
+    estimate_values,
+)
 from agile_llmenvs.training.generation.sync_check import probe_ids
 from agile_llmenvs.training.grpo.held_out import EVAL_METRICS
 from agile_llmenvs.training.grpo.policy_batch import PolicyBatch, build_policy_batch
@@ -77,6 +82,7 @@ GRPO_METRICS = (
     "credit_tokens",
     "trained_tokens",
     "credit_states",
+    "credit_over_budget",
     "credit_fallback_episodes",
     "credit_time_s",
     "credit_env_time_s",
@@ -185,7 +191,7 @@ def _check_credit(run: GRPORun, settings: RunSettings, step: int, row: dict[str,
         run.credit_valued = True
         return
     fallbacks = int(row["credit_fallback_episodes"])
-    if fallbacks == 0:
+    if fallbacks == 0 or row["credit_over_budget"] > 0:  # the budget's choice, not a refusal
         return
     reasons = "; ".join(run.credit_refusals.values()) or "no checkpoint was taken"
     branching = settings.continuations.branching
@@ -271,9 +277,7 @@ def _step(
         "dropped_groups": float((~kept_GN.any(dim=1)).sum()),
         "stale_groups": float((~fresh_GN.all(dim=1)).sum()),
         "policy_tokens": float(sum(_sampled_tokens(t) for t in rollout.trajectories)),
-        "credit_tokens": float(values.tokens if values is not None else 0),
-        "credit_states": float(values.states if values is not None else 0),
-        "credit_fallback_episodes": float(turns.fallback_episodes if turns is not None else 0),
+        **_credit_counts(values, turns),
     }
     measured = {
         **losses,
@@ -287,6 +291,16 @@ def _step(
     if failures is not None:
         failures.see(step, rollout.trajectories)
     return _step_row(run, step, rewards_GN, finished_GN, batch, rollout, measured, counts)
+
+
+def _credit_counts(values: StateValues | None, turns: TurnAdvantages | None) -> dict[str, float]:
+    """A step's turn-level credit counts (all 0 under ``credit: episode``)."""
+    return {
+        "credit_tokens": float(values.tokens if values is not None else 0),
+        "credit_states": float(values.states if values is not None else 0),
+        "credit_over_budget": float(values.over_budget if values is not None else 0),
+        "credit_fallback_episodes": float(turns.fallback_episodes if turns is not None else 0),
+    }
 
 
 def _sync(run: GRPORun, step: int, batch: PolicyBatch, step_s: float) -> float:

@@ -356,4 +356,5 @@ def _continuations(config: TrainingSpec) -> CreditSettings | None:
         config.credit_turns,
         config.credit_max_tokens,
         config.credit_branching,
+        config.credit_step_tokens,
     )

@@ -19,6 +19,7 @@ from agile_llmenvs.transport.protocol import (
     code_for_exception,
     error_from_wire,
     exception_location,
+    holds_no_float,
     observation_frame,
     refuse_non_finite,
     validation_errors,
@@ -253,7 +254,9 @@ def _text_reply(fields: dict[str, Any]) -> EnvReply:
     done and the rest at their defaults when absent, as after a reset)."""
     reward = fields.get("reward")
     metadata = fields["metadata"]
-    if metadata or (reward is not None and not math.isfinite(reward)):
+    if (metadata and not holds_no_float(metadata)) or (
+        reward is not None and not math.isfinite(reward)
+    ):
         # the rest are JSON values already, but for a non-finite number in the env's info:
         # searched in the order the wire frame holds them, so both name the same field
         refuse_non_finite({"observation": {"metadata": metadata}, "reward": reward})

@@ -27,6 +27,7 @@ __all__ = [
     "error_frame",
     "error_from_wire",
     "exception_location",
+    "holds_no_float",
     "observation_frame",
     "parse_message",
     "refuse_non_finite",
@@ -158,6 +159,12 @@ def _name_of_constant(value: float) -> str:
 
 #: Values that hold no float: skipped without a call (nearly every value of an env's info).
 _NO_FLOAT = frozenset({str, int, bool, type(None)})
+
+
+def holds_no_float(mapping: dict[str, Any]) -> bool:
+    """Whether every value of ``mapping`` is a str, int, bool or None (so it holds no
+    non-finite number): the common env info, checked without a walk."""
+    return all(type(value) in _NO_FLOAT for value in mapping.values())
 
 
 def _non_finite(value: Any, path: tuple[str, ...]) -> tuple[tuple[str, ...], float] | None:

@@ -188,7 +188,7 @@ def test_the_readme_next_steps_are_agile_llmenvs_commands() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # the quick start takes about 65 s on 2 idle cores
+@pytest.mark.timeout(900)  # the quick start takes about 50 s on 2 idle cores
 def test_quickstart_train_and_eval_make_no_network_call(
     guarded_env: dict[str, str], tmp_path: Path
 ) -> None:

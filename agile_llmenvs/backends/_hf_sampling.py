@@ -36,10 +36,21 @@ def draw(probs_BV: torch.Tensor) -> torch.Tensor:
 
     Returns:
         ``[B]`` long ids.
+
+    Raises:
+        ValueError: a row holds inf or NaN, or no weight above 0 (the policy's logits were
+            not finite: ``torch.multinomial`` refuses such rows too).
     """
     cdf_BV = probs_BV.cumsum(dim=-1, dtype=torch.float64)
+    total_B1 = cdf_BV[:, -1:]
+    if not bool((torch.isfinite(total_B1) & (total_B1 > 0)).all()):
+        raise ValueError(
+            "the sampling distribution of a row holds inf or NaN, or no id of weight above "
+            "0: the policy's logits are not finite (a diverged update, or weights that did "
+            "not load)"
+        )
     u_B1 = torch.rand((probs_BV.shape[0], 1), dtype=torch.float64, device=probs_BV.device)
-    ids_B = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True)[:, 0]
+    ids_B = torch.searchsorted(cdf_BV, u_B1 * total_B1, right=True)[:, 0]
     # a draw rounded up to the total would land past the end: take the last id of weight
     last_B = probs_BV.shape[1] - 1 - (probs_BV > 0).flip(-1).int().argmax(dim=-1)
     return torch.minimum(ids_B, last_B)

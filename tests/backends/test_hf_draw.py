@@ -93,3 +93,11 @@ def test_the_backends_samples_follow_the_log_probs_it_records(
         assert abs(count / rows - p) < 5 * sigma + 1e-9, (token, count, p)
     # what was never drawn had little mass: the drawn ids' probabilities cover the rest
     assert sum(probability.values()) > 0.99
+
+
+@pytest.mark.parametrize(
+    "weights", [[math.nan, 1.0], [math.inf, 1.0], [0.0, 0.0]], ids=["nan", "inf", "no weight"]
+)
+def test_a_row_of_no_finite_weight_is_refused(weights: list[float]) -> None:
+    with pytest.raises(ValueError, match="the policy's logits are not finite"):
+        draw(torch.tensor([[0.5, 0.5], weights]))

@@ -69,6 +69,17 @@ class HostileServer:
         self._loop.run_forever()
 
     def close(self) -> None:
+        """Cancel the connections still served, then stop the loop: a task left pending
+        logs "Task was destroyed but it is pending!" when it is collected, in whichever
+        test runs then."""
+
+        async def cancel_connections() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cancel_connections(), self._loop).result(5)
         self._loop.call_soon_threadsafe(self._loop.stop)
 
 

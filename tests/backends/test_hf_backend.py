@@ -222,7 +222,8 @@ def test_the_checkpoints_generation_config_adds_nothing_and_is_logged_once(
     with caplog.at_level(logging.WARNING, logger="agile_llmenvs.backends.hf"):
         rebuilt = HFBackend.from_model(backend.model, backend.tokenizer)
         HFBackend.from_model(backend.model, backend.tokenizer)  # the same model: not again
-    (warning,) = caplog.records
+    # this logger's records only: another test's leftovers may log meanwhile
+    (warning,) = [r for r in caplog.records if r.name == "agile_llmenvs.backends.hf"]
     assert warning.getMessage().startswith(
         "Qwen2ForCausalLM's generation_config sets min_p=0.05, no_repeat_ngram_size=2, "
         "repetition_penalty=1.1, suppress_tokens=[5], temperature=0.6, top_k=20: not applied."

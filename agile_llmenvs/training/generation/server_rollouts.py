@@ -94,14 +94,13 @@ class ServerContinuations:
     def __call__(self, contexts: list[Any]) -> list[Any]:
         seed = request_seed(self.params.seed, _CONTINUATIONS, self._rounds)
         self._rounds += 1
-        prompts = [c for c in contexts if not isinstance(c, ImagePrompt)]
-        if len(prompts) < len(contexts):
+        if any(isinstance(c, ImagePrompt) for c in contexts):
             raise AgileLLMEnvsError(
                 "vllm_server generates from ids alone but a continuation's prompt shows "
                 "images: train image envs with generation_backend: hf"
             )
         results = self.backend.generate_results(
-            prompts, dataclasses.replace(self.params, seed=seed)
+            contexts, dataclasses.replace(self.params, seed=seed)
         )
         return [
             r if isinstance(r, BaseException) else (list(r.token_ids), list(r.logprobs))

@@ -283,6 +283,24 @@ def test_an_html_200_from_collective_rpc_fails_the_sync_there(
     alone.close()
 
 
+def test_each_sync_removes_the_previous_folder_and_close_waits_for_it(
+    fakes: Callable[..., FakeServer], tmp_path: Path
+) -> None:
+    """The folder a server loaded before is removed once it has loaded the next (on a
+    thread: the sync does not wait for the unlinking); the folder just loaded stays until the
+    next sync; ``close`` returns with the removal done."""
+    backend = fake_backend([fakes().url])
+    folders = [tmp_path / f"v{v}" for v in (1, 2, 3)]
+    for version, folder in enumerate(folders, start=1):
+        folder.mkdir()
+        (folder / "rank-00000-of-00001.safetensors").write_bytes(b"x" * 1024)
+        backend.load_weights_from(folder, version=version)
+        if version == 2:  # the sync itself may return before v1 is gone, never before v2 loaded
+            assert folders[1].exists()
+    backend.close()
+    assert [f.exists() for f in folders] == [False, False, True]
+
+
 def test_a_sync_to_a_server_that_never_answers_ends_within_timeout_s(
     fakes: Callable[..., FakeServer], tmp_path: Path
 ) -> None:

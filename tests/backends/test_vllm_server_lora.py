@@ -104,7 +104,8 @@ def test_an_adapters_sync_serves_the_lora_policy(
         assert [g.token_ids for g in served] != base
         for got, expected in zip(served, want, strict=True):
             assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-3)
-    assert not folders[0].exists()  # the previous sync's folder is removed
+    lora_backend._sync.settle()  # the previous sync's folder is removed on a thread
+    assert not folders[0].exists()
 
 
 @pytest.mark.vllm_server

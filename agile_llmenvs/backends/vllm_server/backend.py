@@ -314,7 +314,8 @@ class VLLMServerBackend(LocalChatBackend):
     def load_weights_from(self, folder: str | os.PathLike[str], *, version: int) -> tuple[str, ...]:
         """Have every server reload its weights from ``folder`` (written by
         :func:`~agile_llmenvs.weights.write_weights`, by one process or by each of several),
-        then hold ``version``; the previous sync's folder is removed.
+        then hold ``version``; the previous sync's folder is removed on a thread
+        (a model's cached pages take a while to unlink; :meth:`close` waits for it).
 
         A server that fails the reload while others take it would serve the old weights
         under the new version, so it is retired: it gets no more requests (and no more

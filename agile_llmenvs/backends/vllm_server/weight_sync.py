@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -84,6 +85,7 @@ class WeightSync:
         self._own_weights_dir = weights_dir is None
         self._weights_dir = Path(weights_dir) if weights_dir is not None else None
         self._weights_folder: Path | None = None
+        self._removal: threading.Thread | None = None  # the previous folder, going
         self._sender: GlooWeightSender | None = None  # made on the first streamed sync
 
     def sync(self, policy: Any, *, version: int | None) -> float:
@@ -158,7 +160,7 @@ class WeightSync:
         retired = tuple(e.url for e in failed)
         self._pool.retire(retired)
         if self._weights_folder is not None and self._weights_folder != folder:
-            shutil.rmtree(self._weights_folder, ignore_errors=True)
+            self._remove(self._weights_folder)
         self._weights_folder = folder
         self.set_version(version, adapters=adapters)
         return retired
@@ -244,11 +246,33 @@ class WeightSync:
                     url=server.url,
                 )
 
+    def _remove(self, folder: Path) -> None:
+        """Remove a sync's folder that no server reads any more, on a thread: unlinking a
+        model's worth of cached pages takes a large share of a sync's time (0.3-0.4 s of about
+        2 s for 2 GB on 2 CPU cores), which the step waiting on the sync need not pay."""
+        self.settle()
+        self._removal = threading.Thread(
+            target=shutil.rmtree,
+            args=(folder,),
+            kwargs={"ignore_errors": True},
+            name="weights-folder-removal",
+            daemon=True,
+        )
+        self._removal.start()
+
+    def settle(self) -> None:
+        """Wait until the previous sync's folder is removed (it goes on a thread)."""
+        if self._removal is not None:
+            self._removal.join()
+            self._removal = None
+
     def close(self) -> None:
-        """Leave the gloo group, and remove the weights folder if this sync made it."""
+        """Leave the gloo group, wait for the previous sync's folder to be removed, and
+        remove the weights folder if this sync made it."""
         if self._sender is not None:
             self._sender.close()
             self._sender = None
+        self.settle()
         if self._own_weights_dir and self._weights_dir is not None:
             shutil.rmtree(self._weights_dir, ignore_errors=True)
             self._weights_dir = None

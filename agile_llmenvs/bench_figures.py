@@ -275,7 +275,7 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
             " through the same RPC (which leaves a tied head's prepacked copy stale: repacking it,"
             " as ours does, adds about 0.2 s)",
             target=_at_most(1.2),
-            detail="vLLM's own reload {best_vllm_reload_s} s",
+            detail="{best_server_load_s} s vs vLLM's own reload {best_vllm_reload_s} s",
         ),
         Figure(
             "sharded_extra_layers",

@@ -14,7 +14,10 @@ The model: a random-init Qwen2 of Qwen2.5-0.5B's config (hidden 896, 24 layers, 
   (``server_load_s``) is mostly vLLM's own ``reload_weights``, which on a CPU also repacks
   every GEMM weight for its kernels. ``load_over_vllm_reload`` is that rest over the server
   reloading its own checkpoint from disk through the same RPC (``vllm_reload_s``: vLLM's
-  cost with nothing of ours in it).
+  cost with nothing of ours in it), each side's best round, after a first sync and a first
+  reload that are not counted. Target <= 1.2. vLLM's own reload of this tied-embedding
+  model leaves the output head's prepacked copy stale (its logits were off by up to 4.2 in a
+  check here): a sync also repacks it, 0.20 s of the server's part.
 - ``gloo_over_floor``: the same sync with ``weight_transfer="gloo"`` (the weights streamed a
   layer at a time over a gloo group into vLLM's layerwise reload, nothing on disk), over the
   same floor; ``gloo_over_vllm_reload`` over vLLM's own reload of its checkpoint.
@@ -128,18 +131,22 @@ def _sync_figures(model: Any, model_dir: Path, work: Path, repeats: int) -> dict
         server.wait_ready(timeout_s=900)  # a 0.5B model takes minutes on 2 cores
         backend = VLLMServerBackend(server.url, tokenizer=model_dir, weights_dir=weights_dir)
         try:
+            # a first sync and a first reload of vLLM's own, not counted: the worker's first
+            # reload pays one-time costs (5.1 s against 2.1-2.5 s for the next ones)
+            _timed_sync(backend, model, version=1)
+            _own_reload(server.url, model_dir)
             # each sync after its floor, under the same conditions (the server up and idle)
             floors, timings = [], []
             for i in range(repeats):
                 floors.append(_write_and_read(model, weights_dir / "floor.bin"))
-                timings.append(_timed_sync(backend, model, version=i + 1))
+                timings.append(_timed_sync(backend, model, version=i + 2))
         finally:
             backend.close()
         own_reloads = [_own_reload(server.url, model_dir) for _ in range(repeats)]
         streaming = VLLMServerBackend(server.url, tokenizer=model_dir, weight_transfer="gloo")
         try:
             streams = [
-                streaming.sync_weights(model, version=repeats + i + 1) for i in range(repeats)
+                streaming.sync_weights(model, version=repeats + i + 2) for i in range(repeats)
             ]
         finally:
             streaming.close()
@@ -159,7 +166,8 @@ def _sync_figures(model: Any, model_dir: Path, work: Path, repeats: int) -> dict
         "best_vllm_reload_s": round(min(own_reloads), 3),
         "sync_over_floor": round(syncs[best] / min(floors), 3),
         "write_over_floor": round(timings[best][0] / min(floors), 3),
-        "load_over_vllm_reload": round(timings[best][1] / min(own_reloads), 3),
+        "best_server_load_s": round(min(load for _, load in timings), 3),
+        "load_over_vllm_reload": round(min(load for _, load in timings) / min(own_reloads), 3),
         "gloo_sync_s": [round(s, 3) for s in streams],
         "best_gloo_sync_s": round(min(streams), 3),
         "gloo_over_floor": round(min(streams) / min(floors), 3),

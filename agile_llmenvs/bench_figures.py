@@ -468,18 +468,20 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         Figure(
             "quickstart.trl_over_ours",
             "quick start (800 GRPO steps, 8 x 8, the tiny model): seconds per step, TRL 1.16's"
-            " `GRPOTrainer` over our loop (model load included)",
+            " `GRPOTrainer` over our loop (model load included; torch's thread count on both"
+            " sides)",
             target=_at_least(1.5),
             detail="{quickstart.trl.s_per_step} s vs {quickstart.ours.s_per_step} s; mean"
             " reward of the last 20 steps {quickstart.ours.reward_last20} ours,"
-            " {quickstart.trl.reward_last20} TRL's",
+            " {quickstart.trl.reward_last20} TRL's; {quickstart.ours.threads} threads each",
         ),
         Figure(
             "corridor.trl_over_ours",
             "corridor (100 steps, 4 turns, 4 x 8, `credit: episode`): seconds per step, TRL"
             " through our `TRLEnv` over our loop",
             target=_at_least(1.5),
-            detail="{corridor.trl.s_per_step} s vs {corridor.ours.s_per_step} s",
+            detail="{corridor.trl.s_per_step} s vs {corridor.ours.s_per_step} s;"
+            " {corridor.ours.threads} threads each",
         ),
     ),
 }

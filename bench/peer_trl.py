@@ -16,7 +16,10 @@ Two rows, each run in fresh processes on the built-in tiny model, ours and TRL's
   (``TRLEnv`` as its ``rollout_func``, docs/trl.md) with the same batch, for
   ``--multi-turn-steps`` steps.
 
-Settings that cannot be made equal: TRL builds each batch from dataset rows drawn by its own
+Both sides run torch's maths on the same number of intra-op threads: torch's default (one
+per core), which TRL's side keeps; ours would take one thread for a model this small (its
+default, chosen for busy machines), so ``training.cpu_threads`` gives it torch's count. Settings
+that cannot be made equal: TRL builds each batch from dataset rows drawn by its own
 sampler (8 prompts, each repeated 8 times), ours deals tasks from its own assigner; the
 random streams differ, so rewards are compared as means over the last 20 steps, not step by
 step. Each side loads the model inside its measured time, and starts its clock with the same
@@ -56,15 +59,22 @@ from transformers import AutoTokenizer, TrainerCallback
 from agile_llmenvs.specs import load_manifest
 from agile_llmenvs.training import train_grpo
 
+import torch
+
 path, output_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 manifest = load_manifest(path)
-update = {"max_steps": steps, "output_dir": output_dir, "tensorboard": False, "credit": "episode"}
+# torch's own thread count, which TRL's side runs with (ours would take one for a model this
+# small: training.cpu_threads makes the two equal)
+threads = torch.get_num_threads()
+update = {"max_steps": steps, "output_dir": output_dir, "tensorboard": False, "credit": "episode",
+          "cpu_threads": threads}
 manifest = manifest.model_copy(update={"training": manifest.training.model_copy(update=update)})
 start = time.perf_counter()
 result = train_grpo(manifest)
 wall = time.perf_counter() - start
 rewards = [row["reward_mean"] for row in result.metrics]
-print(json.dumps({"wall_s": wall, "steps": len(rewards), "rewards": rewards}))
+print(json.dumps({"wall_s": wall, "steps": len(rewards), "rewards": rewards,
+                  "threads": torch.get_num_threads()}))
 """
 
 _TRL = """
@@ -113,7 +123,9 @@ wall = time.perf_counter() - start
 rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
 if env is not None:
     env.close()
-print(json.dumps({"wall_s": wall, "steps": len(rewards), "rewards": rewards}))
+import torch
+print(json.dumps({"wall_s": wall, "steps": len(rewards), "rewards": rewards,
+                  "threads": torch.get_num_threads()}))
 """
 
 
@@ -135,6 +147,7 @@ def _summary(run: dict[str, Any]) -> dict[str, Any]:
         "steps": run["steps"],
         "reward_first20": round(statistics.fmean(rewards[:20]), 4),
         "reward_last20": round(statistics.fmean(rewards[-20:]), 4),
+        "threads": run["threads"],
     }
 
 

@@ -54,12 +54,10 @@ CORRIDOR = ROOT / "manifests" / "grpo_corridor.yaml"
 _OURS = """
 import json, sys, time
 # the libraries TRL's script has imported when its clock starts (it imports trl itself too)
-import accelerate, datasets
+import accelerate, datasets, torch
 from transformers import AutoTokenizer, TrainerCallback
 from agile_llmenvs.specs import load_manifest
 from agile_llmenvs.training import train_grpo
-
-import torch
 
 path, output_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 manifest = load_manifest(path)
@@ -79,6 +77,7 @@ print(json.dumps({"wall_s": wall, "steps": len(rewards), "rewards": rewards,
 
 _TRL = """
 import json, os, sys, time, warnings
+import torch
 warnings.filterwarnings("ignore")
 os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
 from transformers import AutoTokenizer, TrainerCallback
@@ -123,7 +122,6 @@ wall = time.perf_counter() - start
 rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
 if env is not None:
     env.close()
-import torch
 print(json.dumps({"wall_s": wall, "steps": len(rewards), "rewards": rewards,
                   "threads": torch.get_num_threads()}))
 """

@@ -412,7 +412,8 @@ def estimate_values(
         chosen = settings.chosen(episode.samples, episode.num_turns)
         for rank, point in enumerate(p for p in points if p.turn in chosen):
             candidates.append((trajectory.slot, point))
-            costs.append((rank, sampled_from(episode.samples, point.turn)))
+            if settings.step_tokens is not None:  # what the budget weighs
+                costs.append((rank, sampled_from(episode.samples, point.turn)))
     if settings.step_tokens is not None:
         keep = within_budget(costs, settings.rollouts, settings.step_tokens)
         result.over_budget = keep.count(False)

@@ -4,7 +4,9 @@ Each turn appends 32 sampled ids and a ~200-character observation. The env clien
 fixed-reply stand-in (no env, no wire), so what is timed is the harness itself: decoding the
 action, framing, tokenizing the observation, bookkeeping. The floor is
 ``tokenizer.encode(observation)`` alone, timed in the same run, interleaved. Turns 1, 16 and 64
-show whether the cost grows with the transcript (it must not). Two tokenizers: the built-in
+show whether the cost grows with the transcript (it must not). A stricter floor is shown too:
+the Rust tokenizer's encoding of the observation without character offsets
+(``encode_batch_fast``, which the harness itself uses), with no Python wrapper. Two tokenizers: the built-in
 byte-level BPE one (ChatML) and a real SentencePiece one, ``mistral-common``'s v3 model under a
 Mistral v0.3 style template (keys prefixed ``sentencepiece_``). Last line: JSON.
 """
@@ -93,6 +95,8 @@ def measure(tokenizer: Any, episodes: int, turns: int, prefix: str = "") -> dict
     assert len(completion) == 32
     per_turn: dict[int, list[float]] = {t: [] for t in range(1, turns + 1)}
     floor: list[float] = []
+    rust_floor: list[float] = []
+    rust = tokenizer.backend_tokenizer
     for _ in range(episodes):
         harness = RolloutHarness(FixedClient(), tokenizer, max_turns=turns + 1)
         harness.reset()
@@ -101,15 +105,23 @@ def measure(tokenizer: Any, episodes: int, turns: int, prefix: str = "") -> dict
             tokenizer.encode(OBSERVATION, add_special_tokens=False)
             floor.append(time.perf_counter() - start)
             start = time.perf_counter()
+            rust.encode_batch_fast([OBSERVATION], add_special_tokens=False)
+            rust_floor.append(time.perf_counter() - start)
+            start = time.perf_counter()
             harness.step(completion)
             per_turn[turn].append(time.perf_counter() - start)
     floor_us = statistics.median(floor) * 1e6
-    result: dict[str, Any] = {f"{prefix}encode_floor_us": round(floor_us, 1)}
+    rust_us = statistics.median(rust_floor) * 1e6
+    result: dict[str, Any] = {
+        f"{prefix}encode_floor_us": round(floor_us, 1),
+        f"{prefix}rust_floor_us": round(rust_us, 1),
+    }
     for turn in (1, 16, 64):
         if turn <= turns:
             cost = statistics.median(per_turn[turn]) * 1e6
             result[f"{prefix}turn_{turn}_us"] = round(cost, 1)
             result[f"{prefix}turn_{turn}_over_floor"] = round(cost / floor_us, 2)
+            result[f"{prefix}turn_{turn}_over_rust_floor"] = round(cost / rust_us, 2)
     if turns >= 64:
         ratio = result[f"{prefix}turn_64_us"] / result[f"{prefix}turn_1_us"]
         result[f"{prefix}turn_64_over_turn_1"] = round(ratio, 2)
@@ -118,7 +130,7 @@ def measure(tokenizer: Any, episodes: int, turns: int, prefix: str = "") -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--episodes", type=int, default=40)
+    parser.add_argument("--episodes", type=int, default=200)
     parser.add_argument("--turns", type=int, default=64)
     args = parser.parse_args()
     result: dict[str, Any] = {"figure": "harness_turn"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from agile_llmenvs.core.episode import StopReason, TokenSample
@@ -41,14 +42,11 @@ class EpisodeState:
         """Append ids; ``turn`` is the turn index when the policy sampled them, else None."""
         if not ids:
             return
-        start = 0
-        if not self.ids:
-            self.ids.append(ids[0])
-            start = 1
-        count = len(ids) - start
-        self.ids.extend(ids[start:])
-        self.mask.extend([turn is not None] * count)
-        self.turn_ids.extend([-1 if turn is None else turn] * count)
+        # a sample's first id is context, never a target: it has no mask entry
+        count = len(ids) if self.ids else len(ids) - 1
+        self.ids.extend(ids)
+        self.mask.extend(repeat(turn is not None, count))
+        self.turn_ids.extend(repeat(-1 if turn is None else turn, count))
 
     def close_sample(self) -> None:
         """Store the current sequence as a finished sample and start an empty one."""

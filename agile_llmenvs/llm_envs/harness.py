@@ -18,6 +18,7 @@ import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from itertools import repeat
 from typing import Any
 
 from agile_llmenvs.core import EpisodeData, SampleImages, StopReason, TurnResult
@@ -244,8 +245,10 @@ class RolloutHarness:
         turn = episode.turn
         episode.append(completion_ids, turn=turn)
         # NaN marks a turn the policy gave no log-probs for, so later turns stay aligned
-        values = sampling_logps if sampling_logps is not None else (math.nan,) * len(completion_ids)
-        episode.logps.extend(map(float, values))
+        if sampling_logps is None:
+            episode.logps.extend(repeat(math.nan, len(completion_ids)))
+        else:
+            episode.logps.extend(map(float, sampling_logps))
         text = self.framer.decode(completion_ids)
         outcome = yield from self.player.play(text, completion_ids)
         reward, info, reply = outcome.reward, outcome.info, outcome.reply

@@ -6,9 +6,10 @@ action, framing, tokenizing the observation, bookkeeping. The floor is
 ``tokenizer.encode(observation)`` alone, timed in the same run, interleaved. Turns 1, 16 and 64
 show whether the cost grows with the transcript (it must not). A stricter floor is shown too:
 the Rust tokenizer's encoding of the observation without character offsets
-(``encode_batch_fast``, which the harness itself uses), with no Python wrapper. Two tokenizers: the built-in
-byte-level BPE one (ChatML) and a real SentencePiece one, ``mistral-common``'s v3 model under a
-Mistral v0.3 style template (keys prefixed ``sentencepiece_``). Last line: JSON.
+(``encode_batch_fast``, which the harness itself uses), with no Python wrapper. Two
+tokenizers: the built-in byte-level BPE one (ChatML) and a real SentencePiece one,
+``mistral-common``'s v3 model under a Mistral v0.3 style template (keys prefixed
+``sentencepiece_``). Last line: JSON.
 """
 
 from __future__ import annotations

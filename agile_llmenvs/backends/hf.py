@@ -82,11 +82,14 @@ class HFConfig:
         device: A torch device string (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
         dtype: ``"auto"`` (the checkpoint's) or a torch dtype name (``"bfloat16"``).
         trust_remote_code: Passed to ``from_pretrained``.
+        hub_kernels: Let transformers swap layers for kernels from the Hugging Face Hub
+            (``use_kernels``; the ``kernels`` package downloads them on first use).
     """
 
     device: str = "cpu"
     dtype: str = "auto"
     trust_remote_code: bool = False
+    hub_kernels: bool = False
 
 
 class HFBackend(LocalChatBackend):
@@ -281,7 +284,11 @@ class HFBackend(LocalChatBackend):
 
 def _load_model(auto_class: Any, model_path: str | os.PathLike[str], config: HFConfig) -> Any:
     """The model at ``model_path``; a folder of LoRA adapters is merged into its base model."""
-    kwargs = {"dtype": config.dtype, "trust_remote_code": config.trust_remote_code}
+    kwargs = {
+        "dtype": config.dtype,
+        "trust_remote_code": config.trust_remote_code,
+        "use_kernels": config.hub_kernels,
+    }
     adapters = os.path.join(model_path, "adapter_config.json")
     if not os.path.isfile(adapters):
         return auto_class.from_pretrained(model_path, **kwargs)

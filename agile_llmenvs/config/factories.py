@@ -178,7 +178,8 @@ def _local_backend(config: ModelConfig) -> Backend:
     if config.backend == "huggingface":
         from agile_llmenvs.backends.hf import HFBackend, HFConfig
 
-        return HFBackend(model_path, config=HFConfig(device=config.device, dtype=config.dtype))
+        hf = HFConfig(device=config.device, dtype=config.dtype, hub_kernels=config.hub_kernels)
+        return HFBackend(model_path, config=hf)
     from agile_llmenvs.backends.vllm import VLLMBackend, VLLMConfig
 
     if (Path(model_path) / "adapter_config.json").is_file():

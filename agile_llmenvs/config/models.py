@@ -134,6 +134,11 @@ class ModelConfig(BaseModel):
     )
     device: str = Field("cpu", description="Torch device of a huggingface backend.")
     dtype: str = "auto"
+    hub_kernels: bool = Field(
+        False,
+        description="huggingface backend: let transformers swap layers for kernels from the "
+        "Hugging Face Hub (downloaded on first use by the `kernels` package).",
+    )
     max_model_len: int | None = Field(None, ge=1, description="vLLM context length.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
 

@@ -86,6 +86,13 @@ class ModelSpec(BaseModel):
     max_model_len: int | None = Field(
         None, ge=1, description="Context length prompts are truncated to."
     )
+    hub_kernels: bool = Field(
+        False,
+        description="Let transformers swap layers for kernels from the Hugging Face Hub (the "
+        "`kernels` package, which downloads them on first use; transformers' own default when "
+        "`kernels` is installed). Off: the model's own torch code, no download, and no "
+        "re-kernelization at each switch between generation and training.",
+    )
 
 
 class RunManifest(BaseModel):

@@ -340,3 +340,21 @@ def test_tool_calls_are_read_from_hermes_blocks() -> None:
     )
     assert parse_tool_calls(text) == (ToolCall("add", {"a": 1}), ToolCall("noop", {}))
     assert parse_tool_calls("no calls here") == ()
+
+
+def test_hub_kernels_are_off_unless_asked_for(tiny_model_dir: Any) -> None:
+    """transformers kernelizes a model by default when ``kernels`` is installed (downloading
+    layers from the Hub on first use, and kernelizing again at each train/eval switch); the
+    backend and the training policy load without, unless ``hub_kernels`` asks."""
+    from agile_llmenvs.backends import HFConfig
+    from agile_llmenvs.specs.manifest import ModelSpec
+    from agile_llmenvs.training.policy.loading import load_policy
+
+    assert HFBackend(tiny_model_dir).model.use_kernels is False
+    policy, _ = load_policy(ModelSpec(path=str(tiny_model_dir)))
+    assert policy.use_kernels is False
+    pytest.importorskip("kernels")
+    asked = HFBackend(tiny_model_dir, config=HFConfig(hub_kernels=True))
+    assert asked.model.use_kernels is True
+    policy, _ = load_policy(ModelSpec(path=str(tiny_model_dir), hub_kernels=True))
+    assert policy.use_kernels is True

@@ -209,8 +209,7 @@ def _evaluate(run: GRPORun, step: int) -> dict[str, float]:
     """The held-out evaluation after ``step`` when one is due (NaN, an empty cell, if not)."""
     if run.held_out is None or not run.held_out.due(step):
         return dict.fromkeys(EVAL_METRICS, math.nan)
-    policy = run.accelerator.unwrap_model(run.model)
-    return run.held_out.run(policy, run.tokenizer, run.accelerator)
+    return run.held_out.run(run.policy, run.tokenizer, run.accelerator)
 
 
 def _step(
@@ -306,7 +305,7 @@ def _credit_counts(values: StateValues | None, turns: TurnAdvantages | None) -> 
 def _sync(run: GRPORun, step: int, batch: PolicyBatch, step_s: float) -> float:
     """Send the policy's new weights to the engine or the servers (when due), then check
     the sync when :class:`SyncCheck` says so; the check's gap, or NaN when none ran."""
-    policy = run.accelerator.unwrap_model(run.model)
+    policy = run.policy
     if run.engine is not None:
         run.engine.load_weights(policy)
     synced = run.engine is not None
@@ -388,7 +387,7 @@ def _collect(
         return played.batch, rewards_GN, waited, played.values
     run.sampler.params = dataclasses.replace(run.sampler.params, seed=seed)
     run.sampler.seconds, run.sampler.calls = 0.0, 0
-    run.accelerator.unwrap_model(run.model).eval()
+    run.policy.eval()
     checkpoints = None
     if settings.continuations is not None:
         if run.checkpoints is None:  # one for the run: ProcessFork's zygote is started once

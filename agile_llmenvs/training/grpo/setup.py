@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from typing import Any
 
 from agile_llmenvs._run_files import WEIGHTS_SYNC_DIR
@@ -75,6 +75,12 @@ class GRPORun:
     def model(self) -> Any:
         """The prepared policy."""
         return self.learner.model
+
+    @cached_property
+    def policy(self) -> Any:
+        """The policy without its DDP or FSDP wrapper, found once (each
+        ``accelerator.unwrap_model`` asks the import system whether DeepSpeed is installed)."""
+        return self.accelerator.unwrap_model(self.learner.model)
 
     def sampler_logps(self, ids: Sequence[int]) -> dict[str, list[float]]:
         """This process's samplers' log-probs of ``ids``, by name: its engine's, or (on the

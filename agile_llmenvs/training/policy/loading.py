@@ -62,7 +62,9 @@ def load_policy(spec: ModelSpec) -> tuple[Any, Any]:
         path = model_dir(spec)
         tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path or path)
         auto_class = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
-        model = auto_class.from_pretrained(path, dtype=getattr(torch, spec.dtype))
+        model = auto_class.from_pretrained(
+            path, dtype=getattr(torch, spec.dtype), use_kernels=spec.hub_kernels
+        )
     return model, tokenizer
 
 

@@ -18,7 +18,9 @@ Two rows, each run in fresh processes on the built-in tiny model, ours and TRL's
 
 Both sides run torch's maths on the same number of intra-op threads: torch's default (one
 per core), which TRL's side keeps; ours would take one thread for a model this small (its
-default, chosen for busy machines), so ``training.cpu_threads`` gives it torch's count. Settings
+default, chosen for busy machines), so ``training.cpu_threads`` gives it torch's count. Both
+load the model without the Hub's layer kernels (``use_kernels=False``, ours by default, TRL's
+through ``model_init_kwargs``). Settings
 that cannot be made equal: TRL builds each batch from dataset rows drawn by its own
 sampler (8 prompts, each repeated 8 times), ours deals tasks from its own assigner; the
 random streams differ, so rewards are compared as means over the last 20 steps, not step by
@@ -115,6 +117,9 @@ args = GRPOConfig(
     learning_rate=training.learning_rate, loss_type="dapo", beta=0.0,
     lr_scheduler_type="constant", use_cpu=True, bf16=False, report_to=[], logging_steps=1,
     save_strategy="no", seed=0, disable_tqdm=True,
+    # as ours loads it: without the Hub's layer kernels, which transformers would otherwise
+    # swap in (when `kernels` is installed) and swap again at every train/eval switch
+    model_init_kwargs={"use_kernels": False},
 )
 trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer, **kwargs)
 trainer.train()

@@ -72,6 +72,8 @@ class PieceDecoder:
     def decode(self, ids: Sequence[int]) -> str | None:
         """The text of ``ids`` with special tokens skipped; None when an id needs the Rust
         decoder."""
+        if not isinstance(ids, list | tuple):  # a tensor's items hash by identity
+            ids = [int(i) for i in ids]
         if not self.handled_elsewhere.isdisjoint(ids) or (ids and min(ids) < 0):
             return None
         try:

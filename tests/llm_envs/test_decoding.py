@@ -9,6 +9,7 @@ from functools import cache
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from real_tokenizers import load_mistral_tokenizer
@@ -102,6 +103,9 @@ def test_plain_pieces_are_joined_with_one_leading_space_stripped() -> None:
     assert pieces.decode(ids) == " Hello world,"
     assert pieces.decode([*ids[1:], eos]) == "Hello world,"  # a special token is skipped
     assert pieces.decode([]) == ""
+    byte = backend.token_to_id("<0x41>")
+    assert pieces.decode(torch.tensor([*ids, byte])) is None  # ids of any kind are read
+    assert pieces.decode(torch.tensor(ids)) == " Hello world,"
     assert backend.decode(ids, skip_special_tokens=True) == " Hello world,"
 
 

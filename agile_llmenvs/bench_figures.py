@@ -421,7 +421,7 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
             "overhead_ratio",
             f"{_STEP}: share of the step that is neither generation nor learning",
             unit="",
-            target=_at_most(0.10),
+            target=_at_most(0.05),
         ),
         Figure("gen_time_s", f"{_STEP} generation time", unit=" s"),
         Figure("env_time_s", f"{_STEP} env and harness time", unit=" s"),

@@ -53,10 +53,7 @@ def _at_least(bound: float) -> Target:
 
 
 _HARNESS = "harness cost per turn over `tokenizer.encode` of the observation, turn"
-_HARNESS_RUST = (
-    "harness cost per turn over the Rust tokenizer's encoding of the observation without "
-    "offsets (`encode_batch_fast`, no Python wrapper), turn"
-)
+_HARNESS_RUST = "harness cost per turn over the Rust tokenizer's `encode_batch_fast`, turn"
 _API = "256 API requests at `max_concurrency=64`, 100 ms server latency, over the ideal 0.4 s"
 _API_BATCH = "256 API requests at `max_concurrency=64`, 100 ms server latency"
 _SERVER = "64 episodes x 8 turns (steps 5 ms, 1 in 10 200 ms) on one `vllm serve`"
@@ -187,11 +184,7 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
             f"{_HARNESS} 64, real SentencePiece tokenizer (mistral-common v3)",
             target=_at_most(1.2),
         ),
-        Figure(
-            "turn_1_over_rust_floor",
-            f"{_HARNESS_RUST} 1 (reference)",
-            detail="{turn_1_us} µs vs {rust_floor_us} µs",
-        ),
+        Figure("turn_1_over_rust_floor", f"{_HARNESS_RUST} 1 (reference)"),
         Figure(
             "sentencepiece_turn_1_over_rust_floor",
             f"{_HARNESS_RUST} 1, real SentencePiece tokenizer (reference)",

@@ -63,6 +63,10 @@ class BatchBuilder:
         """The batch: contiguous groups renumbered 0..n-1 in the order they were kept."""
         informative = sum(1 for g in self.kept if len(set(finished_rewards(g))) > 1)
         groups = (self.kept + self.spare)[: self.groups]
-        flat = tuple(replace(t, group=number) for number, g in enumerate(groups) for t in g)
+        flat = tuple(
+            t if t.group == number else replace(t, group=number)  # frozen: shared as it is
+            for number, g in enumerate(groups)
+            for t in g
+        )
         failed = sum(t.failed for t in flat)
         return RolloutBatch(flat, self.group_size, informative, self.attempts, failed)

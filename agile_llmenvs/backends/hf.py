@@ -19,6 +19,7 @@ from agile_llmenvs.core.images import SampleImages, image_model_inputs, prompt_i
 from agile_llmenvs.errors import ManifestError
 
 if TYPE_CHECKING:
+    from agile_llmenvs.backends._hf_prefix import PrefixCache
     from agile_llmenvs.backends._hf_sampling import SampledLogprobs
 
 __all__ = ["HFBackend", "HFConfig", "check_model_dir"]
@@ -84,12 +85,15 @@ class HFConfig:
         trust_remote_code: Passed to ``from_pretrained``.
         hub_kernels: Let transformers swap layers for kernels from the Hugging Face Hub
             (``use_kernels``; the ``kernels`` package downloads them on first use).
+        prefix_cache: Keep each call's KV cache for the next, so that a multi-turn episode's
+            next turn runs only its new ids through the model (see :class:`HFBackend`).
     """
 
     device: str = "cpu"
     dtype: str = "auto"
     trust_remote_code: bool = False
     hub_kernels: bool = False
+    prefix_cache: bool = True
 
 
 class HFBackend(LocalChatBackend):
@@ -131,18 +135,30 @@ class HFBackend(LocalChatBackend):
         vision = is_vision_model(model_path)
         auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         model: Any = _load_model(auto_class, model_path, config)
-        self._init(model.to(config.device).eval(), tokenizer)
+        self._init(model.to(config.device).eval(), tokenizer, prefix_cache=config.prefix_cache)
 
     @classmethod
-    def from_model(cls, model: Any, tokenizer: Any) -> HFBackend:
-        """Wrap a model already in memory (a policy being trained, say)."""
+    def from_model(cls, model: Any, tokenizer: Any, *, prefix_cache: bool = True) -> HFBackend:
+        """Wrap a model already in memory (a policy being trained, say).
+
+        Args:
+            model: The model (it may be wrapped by DDP, FSDP or ``accelerate``).
+            tokenizer: Its tokenizer.
+            prefix_cache: Keep each call's KV cache for the next (see :class:`HFBackend`).
+        """
         backend = cls.__new__(cls)
-        backend._init(model, tokenizer)
+        backend._init(model, tokenizer, prefix_cache=prefix_cache)
         return backend
 
-    def _init(self, model: Any, tokenizer: Any) -> None:
+    def _init(self, model: Any, tokenizer: Any, *, prefix_cache: bool = True) -> None:
+        from agile_llmenvs.backends._hf_prefix import PrefixCache, supports_prefix_cache
+
         self.model = model
         self.supports_images = _is_vision_model(model)
+        reusable = (
+            prefix_cache and not self.supports_images and supports_prefix_cache(_unwrap(model))
+        )
+        self._prefix = PrefixCache(model) if reusable else None
         self._placeholder_ids = _placeholder_ids(model) if self.supports_images else ()
         self._tokenizer = tokenizer
         self._generation_config = _without_processors(model)
@@ -180,8 +196,16 @@ class HFBackend(LocalChatBackend):
 
         if not prompts:
             return []
-        input_ids, attention_mask = self._left_pad(prompts)
         shown = prompt_images(prompts) if images is None else list(images)
+        prefix = self._prefix_for(params, shown)
+        rows = [list(p) for p in prompts] if prefix is not None else []
+        planned = prefix.plan(rows, self._pad_id) if prefix is not None else None
+        cache_kwargs: dict[str, Any] = {}
+        if prefix is not None and planned is not None:
+            input_ids, attention_mask = planned.input_ids, planned.attention_mask
+            cache_kwargs[prefix.cache_argument] = planned.cache
+        else:
+            input_ids, attention_mask = self._left_pad(prompts)
         image_inputs = image_model_inputs(shown, input_ids, self.model)
         if image_inputs and not self.supports_images:
             raise ValueError(
@@ -194,20 +218,48 @@ class HFBackend(LocalChatBackend):
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             # Without return_dict_in_generate only the ids come back: no per-step logits, and
-            # no KV cache kept alive past the call.
-            sequences = self.model.generate(
+            # no KV cache kept alive past the call; with the prefix cache, the cache comes
+            # back too and is kept for the next call.
+            output = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 logits_processor=LogitsProcessorList([sampler]),
+                return_dict_in_generate=prefix is not None,
+                **cache_kwargs,
                 **image_inputs,
                 **self._generate_kwargs(params),
             )
+            sequences = output.sequences if prefix is not None else output
+            if prefix is not None:
+                cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
+                prefix.keep(cache, sequences, attention_mask, rows, self._eos_ids)
             new_ids = sequences[:, input_ids.shape[1] :]
             logprobs = sampler.logprobs(sequences, input_ids.shape[1])
         return [
             self._finish(ids, lps, params)
             for ids, lps in zip(new_ids.tolist(), logprobs.tolist(), strict=True)
         ]
+
+    def _prefix_for(self, params: SamplingParams, images: Sequence[Any]) -> PrefixCache | None:
+        """The prefix cache, where this call may use and keep it: text only, no repetition
+        penalty (it counts a row's context, holes included), not an FSDP-sharded model (its
+        gathered weights are not the kept cache's to rely on). Otherwise the kept cache is
+        dropped."""
+        from agile_llmenvs.backends.types import TokenDistribution
+
+        prefix = self._prefix
+        if prefix is None:
+            return None
+        if any(images) or TokenDistribution.of(params).penalizes or not self._inference_mode():
+            prefix.clear()
+            return None
+        return prefix
+
+    def clear_prefix_cache(self) -> None:
+        """Drop the KV cache kept from the last call, freeing its memory (the next call
+        prefills its prompts whole). A change of weights drops it too, at the next call."""
+        if self._prefix is not None:
+            self._prefix.clear()
 
     def _fork_rng(self) -> Any:
         """Restores the generators a seeded call reseeds: the CPU's and the model's GPU's."""
@@ -221,13 +273,18 @@ class HFBackend(LocalChatBackend):
         """``inference_mode``, or plain ``no_grad`` for an FSDP-sharded model: the weights it
         gathers for a forward are kept for training, which cannot update inference tensors."""
         import torch
+
+        return torch.inference_mode() if self._inference_mode() else torch.no_grad()
+
+    def _inference_mode(self) -> bool:
+        """Whether the model is not FSDP-sharded (see :meth:`_no_grad`)."""
         from torch.distributed.fsdp import FSDPModule
 
         # a LoRA (peft) policy is sharded under its wrapper
         model = self.model
         if hasattr(model, "disable_adapter"):
             model = model.get_base_model()
-        return torch.no_grad() if isinstance(model, FSDPModule) else torch.inference_mode()
+        return not isinstance(model, FSDPModule)
 
     def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[Any, Any]:
         import torch

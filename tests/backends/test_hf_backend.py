@@ -253,8 +253,10 @@ def test_generate_keeps_no_per_step_logits_and_adds_no_warpers(
     hf_backend.generate([prompt], params)
     hf_backend.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))
     for kwargs in calls:
-        for flag in ("output_logits", "output_scores", "return_dict_in_generate"):
+        for flag in ("output_logits", "output_scores", "output_attentions"):
             assert not kwargs.get(flag), flag
+        # a dict only to hand back the KV cache the prefix cache keeps for the next call
+        assert kwargs["return_dict_in_generate"] is True
         assert len(kwargs["logits_processor"]) == 1
         # greedy over the sampler's scores (the sampler draws): transformers adds no warper,
         # and no top-k of 50 as its default would

@@ -58,6 +58,13 @@ class Sampler:
         self.seconds += time.perf_counter() - start
         return [(g.token_ids, g.logprobs) for g in generations]
 
+    def release(self) -> None:
+        """After a collection: drop what the backend kept for its next call (the HF
+        backend's prefix cache), so that learning has that memory."""
+        clear = getattr(self.backend, "clear_prefix_cache", None)
+        if clear is not None:
+            clear()
+
     def drain(self) -> None:
         """After a collection: join the other processes' remaining generate calls (sharded
         policy only; a no-op otherwise)."""

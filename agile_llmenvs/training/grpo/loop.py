@@ -415,6 +415,7 @@ def _collect(
             if checkpoints is not None:
                 checkpoints.release()
         run.sampler.drain()
+        run.sampler.release()
     if run.engine is not None:  # learning has the device (sleep_between_steps)
         run.engine.sleep()
     rewards_GN = group_rewards([t.reward for t in rollout.trajectories], settings.group_size)

@@ -107,6 +107,12 @@ class HFBackend(LocalChatBackend):
     trainer computes when it scores the sampled ids. Greedy decoding records temperature-1
     log-probs. Only one step's ``[B, V]`` log-probs are held at a time.
 
+    Each call keeps its KV cache for the next (``prefix_cache``, on by default): a prompt
+    that starts with a previous row's prompt and generation (a multi-turn episode's next
+    turn) runs only its new ids through the model, and samples what a fresh call would
+    (:mod:`~agile_llmenvs.backends._hf_prefix`). The cache is dropped when any weight changes
+    in place, and :meth:`clear_prefix_cache` frees it at once.
+
     Only ``params`` shape the distribution: what the checkpoint's ``generation_config.json``
     would add (a repetition penalty, ``min_p``, suppressed tokens...) is not applied, and the
     first backend built on a model that sets any says so once in the log.

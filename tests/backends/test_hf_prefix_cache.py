@@ -145,9 +145,9 @@ def test_only_models_attending_every_earlier_column_keep_a_cache() -> None:
     assert verdicts == [True, False, False, False, True, True, False]
 
 
-def _corridor(backend: HFBackend, tokenizer: Any) -> list[tuple[tuple[int, ...], ...]]:
-    """One collection of the corridor (2 groups of 4, 4 turns): every sample's ids and the
-    sampled log-probs, rounded."""
+def _corridor(backend: HFBackend, tokenizer: Any) -> tuple[list[Any], list[float]]:
+    """One collection of the corridor (2 groups of 4, 4 turns): every sample's ids, masks and
+    turn ids, and every sampled log-prob, in order."""
 
     def factory() -> RolloutHarness:
         return RolloutHarness.local(CorridorEnv(max_turns=4), tokenizer, max_turns=4)
@@ -158,12 +158,16 @@ def _corridor(backend: HFBackend, tokenizer: Any) -> list[tuple[tuple[int, ...],
         batch = collector.collect(sampler)
     finally:
         collector.close()
-    return [
-        tuple(
-            (s.token_ids, tuple(round(lp, 4) for lp in s.sampling_logps)) for s in t.episode.samples
-        )
-        for t in batch.trajectories
-    ]
+    samples = [s for t in batch.trajectories for s in t.episode.samples]
+    ids = [(s.token_ids, s.action_mask, s.turn_ids) for s in samples]
+    return ids, [lp for s in samples for lp in s.sampling_logps]
+
+
+def _same_collection(cached: HFBackend, fresh: HFBackend, tokenizer: Any) -> None:
+    ids, logps = _corridor(cached, tokenizer)
+    want_ids, want_logps = _corridor(fresh, tokenizer)
+    assert ids == want_ids
+    assert logps == pytest.approx(want_logps, abs=1e-5)
 
 
 def test_a_collection_samples_as_without_the_cache(pair: tuple[HFBackend, HFBackend]) -> None:
@@ -179,9 +183,51 @@ def test_a_collection_samples_as_without_the_cache(pair: tuple[HFBackend, HFBack
 
     cached._prefix.plan = counted  # type: ignore[union-attr,method-assign]
     try:
-        with_cache = _corridor(cached, cached.tokenizer)
+        _same_collection(cached, fresh, cached.tokenizer)
     finally:
         del cached._prefix.plan  # type: ignore[union-attr]
-    assert with_cache == _corridor(fresh, fresh.tokenizer)
     assert reuses[0] == 0  # the first turn: nothing kept
     assert all(r > 0 for r in reuses[1:]), reuses  # every later turn reuses
+
+
+@pytest.mark.parametrize("case", ["qwen3", "llama31"])
+def test_a_collection_on_a_real_template_samples_as_without_the_cache(case: str) -> None:
+    """A real SentencePiece tokenizer (Mistral's v3) rendering Qwen3's template (not
+    prefix-stable: the harness starts a new sample when a turn's prompt is not the last one
+    extended) and Llama 3.1's, on a random model of its vocabulary."""
+    pytest.importorskip("sentencepiece")
+    pytest.importorskip("mistral_common")
+    from real_tokenizers import load_mistral_tokenizer
+    from template_corpus import get_case, with_template
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    template = get_case(case)
+    tokenizer = with_template(lambda: load_mistral_tokenizer("mistral_v3"), template)
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(
+        "<|im_end|>" if case == "qwen3" else "<|eot_id|>"
+    )
+    cached = HFBackend.from_model(model, tokenizer)
+    fresh = HFBackend.from_model(model, tokenizer, prefix_cache=False)
+    reuses: list[int] = []
+    real = cached._prefix.plan  # type: ignore[union-attr]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        planned = real(*args, **kwargs)
+        reuses.append(planned.reused if planned is not None else 0)
+        return planned
+
+    cached._prefix.plan = counted  # type: ignore[union-attr,method-assign]
+    _same_collection(cached, fresh, tokenizer)
+    assert reuses[0] == 0
+    assert all(r > 0 for r in reuses[1:]), reuses

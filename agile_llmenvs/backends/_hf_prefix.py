@@ -28,6 +28,7 @@ a prompt matches no row, or when the holes would make the call much wider than i
 from __future__ import annotations
 
 import inspect
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -124,6 +125,7 @@ class PrefixCache:
     def __init__(self, model: Any) -> None:
         self._model = model
         self._kept: _Kept | None = None
+        self._lock = threading.Lock()  # a cache serves one call: two at once take one each
         self._cursor = 0
         self.reused = 0  # prompt tokens the last call did not run through the model again
         forward = getattr(type(model), "forward", None)
@@ -142,11 +144,10 @@ class PrefixCache:
         nothing kept, weights changed, a prompt matched no row, or too many holes."""
         import torch
 
-        kept, self.reused = self._kept, 0
-        if kept is None:
-            return None
-        if self._version() != kept.version:
-            self.clear()
+        with self._lock:  # the cache is the call's now (generate extends it in place)
+            kept, self._kept = self._kept, None
+        self.reused = 0
+        if kept is None or self._version() != kept.version:
             return None
         picks: list[tuple[int, int]] = []  # (kept row, tokens shared)
         for prompt in prompts:
@@ -157,7 +158,6 @@ class PrefixCache:
         cached_width = kept.ids.shape[1]
         suffix = max(len(p) - shared for p, (_, shared) in zip(prompts, picks, strict=True))
         if cached_width + suffix > _WIDTH_FACTOR * max(map(len, prompts)) + _SLACK:
-            self.clear()
             return None
         rows = torch.tensor([row for row, _ in picks], device=kept.ids.device)
         ids = torch.full((len(prompts), cached_width + suffix), pad_id, dtype=kept.ids.dtype)
@@ -169,7 +169,6 @@ class PrefixCache:
             ids[index, ids.shape[1] - len(rest) :] = torch.tensor(rest, dtype=ids.dtype)
             mask[index, ids.shape[1] - len(rest) :] = 1
         cache = kept.cache
-        self._kept = None  # the cache is the call's now (generate extends it in place)
         cache.batch_select_indices(rows)
         device = self._model.device
         self.reused = sum(shared for _, shared in picks)
@@ -215,10 +214,11 @@ class PrefixCache:
             self.clear()
             return
         cached = cache.get_seq_length()
-        self._kept = _Kept(
+        kept = _Kept(
             cache, sequences[:, :cached], attention_mask, prompts, eos_ids, self._version()
         )
-        self._cursor = 0
+        with self._lock:
+            self._kept, self._cursor = kept, 0
 
 
 def _common_prefix(a: list[int], b: list[int], low: int, high: int) -> int:

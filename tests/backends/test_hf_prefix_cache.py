@@ -163,16 +163,9 @@ def _corridor(backend: HFBackend, tokenizer: Any) -> tuple[list[Any], list[float
     return ids, [lp for s in samples for lp in s.sampling_logps]
 
 
-def _same_collection(cached: HFBackend, fresh: HFBackend, tokenizer: Any) -> None:
-    ids, logps = _corridor(cached, tokenizer)
-    want_ids, want_logps = _corridor(fresh, tokenizer)
-    assert ids == want_ids
-    assert logps == pytest.approx(want_logps, abs=1e-5)
-
-
-def test_a_collection_samples_as_without_the_cache(pair: tuple[HFBackend, HFBackend]) -> None:
-    cached, fresh = pair
-    cached.clear_prefix_cache()
+def _same_collection(cached: HFBackend, fresh: HFBackend, tokenizer: Any) -> list[int]:
+    """Checks a corridor collection with the cache against one without; the prompt tokens
+    each of the cached backend's calls reused."""
     reuses: list[int] = []
     real = cached._prefix.plan  # type: ignore[union-attr]
 
@@ -183,9 +176,19 @@ def test_a_collection_samples_as_without_the_cache(pair: tuple[HFBackend, HFBack
 
     cached._prefix.plan = counted  # type: ignore[union-attr,method-assign]
     try:
-        _same_collection(cached, fresh, cached.tokenizer)
+        ids, logps = _corridor(cached, tokenizer)
     finally:
         del cached._prefix.plan  # type: ignore[union-attr]
+    want_ids, want_logps = _corridor(fresh, tokenizer)
+    assert ids == want_ids
+    assert logps == pytest.approx(want_logps, abs=1e-5)
+    return reuses
+
+
+def test_a_collection_samples_as_without_the_cache(pair: tuple[HFBackend, HFBackend]) -> None:
+    cached, fresh = pair
+    cached.clear_prefix_cache()
+    reuses = _same_collection(cached, fresh, cached.tokenizer)
     assert reuses[0] == 0  # the first turn: nothing kept
     assert all(r > 0 for r in reuses[1:]), reuses  # every later turn reuses
 
@@ -219,15 +222,6 @@ def test_a_collection_on_a_real_template_samples_as_without_the_cache(case: str)
     )
     cached = HFBackend.from_model(model, tokenizer)
     fresh = HFBackend.from_model(model, tokenizer, prefix_cache=False)
-    reuses: list[int] = []
-    real = cached._prefix.plan  # type: ignore[union-attr]
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        planned = real(*args, **kwargs)
-        reuses.append(planned.reused if planned is not None else 0)
-        return planned
-
-    cached._prefix.plan = counted  # type: ignore[union-attr,method-assign]
-    _same_collection(cached, fresh, tokenizer)
+    reuses = _same_collection(cached, fresh, tokenizer)
     assert reuses[0] == 0
     assert all(r > 0 for r in reuses[1:]), reuses

@@ -131,9 +131,14 @@ def _read_rows(path: Path) -> list[dict[str, str]]:
     return list(csv.DictReader(complete))
 
 
+def threshold_of(task: str) -> float:
+    """The mean reward ``task`` counts as learnt at."""
+    return THRESHOLDS.get(task, THRESHOLD)
+
+
 def run_once(credit: str, seed: int, max_steps: int, task: str = "corridor") -> Learnt:
     """Train ``task`` with ``credit`` until it is learnt or ``max_steps``; what it cost."""
-    threshold = THRESHOLDS.get(task, THRESHOLD)
+    threshold = threshold_of(task)
     with tempfile.TemporaryDirectory(prefix=f"turn-credit-{credit}-") as folder:
         metrics, log = Path(folder) / "metrics.csv", Path(folder) / "stderr.log"
         command = [sys.executable, "-c", _RUN, str(TASKS[task]), folder, credit, str(seed)]
@@ -219,7 +224,7 @@ def measure(
             for seed in seeds:
                 runs.append(run_once(credit, seed, max_steps, task))
                 print(json.dumps({"task": task, **asdict(runs[-1])}), flush=True)
-        reports[task] = {**_task_report(runs), "threshold": THRESHOLDS.get(task, THRESHOLD)}
+        reports[task] = {**_task_report(runs), "threshold": threshold_of(task)}
     corridor = reports.pop("corridor", {})
     return {
         "figure": "turn_credit",

@@ -112,7 +112,6 @@ class CachedCall:
     input_ids: Any
     attention_mask: Any
     cache: Any
-    reused: int  # prompt tokens not run through the model again
 
 
 class PrefixCache:
@@ -172,7 +171,7 @@ class PrefixCache:
         cache.batch_select_indices(rows)
         device = self._model.device
         self.reused = sum(shared for _, shared in picks)
-        return CachedCall(ids.to(device), mask.to(device), cache, self.reused)
+        return CachedCall(ids.to(device), mask.to(device), cache)
 
     def _match(self, kept: _Kept, prompt: list[int]) -> tuple[int, int] | None:
         """The kept row to reuse for ``prompt`` and how many of its tokens it shares (at

@@ -167,18 +167,20 @@ def _same_collection(cached: HFBackend, fresh: HFBackend, tokenizer: Any) -> lis
     """Checks a corridor collection with the cache against one without; the prompt tokens
     each of the cached backend's calls reused."""
     reuses: list[int] = []
-    real = cached._prefix.plan  # type: ignore[union-attr]
+    prefix = cached._prefix
+    assert prefix is not None
+    real = prefix.plan
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         planned = real(*args, **kwargs)
-        reuses.append(planned.reused if planned is not None else 0)
+        reuses.append(prefix.reused)
         return planned
 
-    cached._prefix.plan = counted  # type: ignore[union-attr,method-assign]
+    prefix.plan = counted  # type: ignore[method-assign]
     try:
         ids, logps = _corridor(cached, tokenizer)
     finally:
-        del cached._prefix.plan  # type: ignore[union-attr]
+        del prefix.plan
     want_ids, want_logps = _corridor(fresh, tokenizer)
     assert ids == want_ids
     assert logps == pytest.approx(want_logps, abs=1e-5)

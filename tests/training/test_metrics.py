@@ -4,6 +4,7 @@ scalars; resuming keeps what came before the checkpoint and drops what came afte
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -37,11 +38,23 @@ def _write(writer: MetricsWriter, *rows: tuple[int, float, float]) -> None:
     writer.close()
 
 
+def _next_second() -> None:
+    """Wait for the clock's next whole second. TensorBoard reads a folder's event files in
+    name order, and a name is ``events.out.tfevents.<seconds>.<host>.<pid>.<n>`` with ``n`` a
+    per-process counter that is not zero-padded: two writers of one process within one second
+    sort wrongly once ``n`` goes from 9 to 10 (as under xdist, where a worker has written
+    other tests' events). A resumed run in practice starts in a later second."""
+    start = int(time.time())
+    while int(time.time()) == start:
+        time.sleep(0.01)
+
+
 def test_every_metric_becomes_a_scalar_and_resume_replaces_what_followed_the_checkpoint(
     tmp_path: Path,
 ) -> None:
     csv_path = tmp_path / "metrics.csv"
     _write(MetricsWriter(csv_path, KEYS), (1, 0.5, 0.0), (2, 0.25, 0.5), (3, 0.125, 1.0))
+    _next_second()
     # the run had checkpointed at step 2: step 3 is run again, then step 4
     _write(MetricsWriter(csv_path, KEYS, resume_step=2), (3, 0.75, 0.25), (4, 1.5, 0.75))
 

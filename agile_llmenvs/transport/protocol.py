@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from agile_llmenvs import errors
+from agile_llmenvs.transport import wire_json
 from agile_llmenvs.transport.types import TextObservation
 
 __all__ = [
@@ -95,40 +96,32 @@ class WireError(Exception):
         self.extra = extra
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-#: Parses JSON only: Python's ``json`` reads the bare constants ``NaN``, ``Infinity`` and
-#: ``-Infinity`` by default, which no other JSON reader accepts.
-_STRICT_JSON = json.JSONDecoder(parse_constant=_refuse_constant)
-#: Writes JSON only: a non-finite float raises ``ValueError`` instead of writing ``NaN``.
-_JSON_OUT = json.JSONEncoder(allow_nan=False)
+#: Writes JSON only: a non-finite float raises ``ValueError`` instead of writing ``NaN``; what
+#: :func:`~agile_llmenvs.transport.wire_json.dumps` falls back to (compact, as its frames are).
+_JSON_OUT = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 
 
 def strict_json_loads(raw: str | bytes) -> Any:
-    """``json.loads`` that refuses the bare ``NaN``, ``Infinity`` and ``-Infinity``.
+    """``json.loads`` that refuses the bare ``NaN``, ``Infinity`` and ``-Infinity`` (see
+    :func:`~agile_llmenvs.transport.wire_json.loads`).
 
     Raises:
         json.JSONDecodeError: ``raw`` is not JSON.
         ValueError: ``raw`` holds one of those constants (the message names it), or nests
-            deeper than the parser can recurse (a first message of 200,000 ``[`` used to
-            escape every handler as a ``RecursionError``).
+            deeper than the parser can recurse.
     """
-    try:
-        return _STRICT_JSON.decode(raw.decode() if isinstance(raw, bytes) else raw)
-    except RecursionError:
-        raise ValueError(
-            "nested deeper than the parser can follow (Python's recursion limit)"
-        ) from None
+    return wire_json.loads(raw)
 
 
-def _dump_reply(frame: dict[str, Any], prefix: tuple[str, ...] = ()) -> str:
+def _dump_reply(
+    frame: dict[str, Any], prefix: tuple[str, ...] = (), *, checked: bool = False
+) -> str:
     """``frame`` as JSON text; a non-finite number in it is a :class:`WireError` naming its
-    field, answered to the call that produced it (the hot path pays nothing extra: the
-    encoder itself refuses non-finite floats, and only then is the frame searched)."""
+    field, answered to the call that produced it (the encoder refuses non-finite floats, and
+    only then is the frame searched). ``checked``: the caller has found it
+    :func:`~agile_llmenvs.transport.wire_json.plain`."""
     try:
-        return _JSON_OUT.encode(frame)
+        return wire_json.dumps(frame, _JSON_OUT.encode, checked=checked)
     except ValueError:
         refuse_non_finite(frame.get("data"), prefix)
         raise
@@ -256,6 +249,9 @@ def observation_frame(observation: BaseModel) -> str:
     return _dump_reply({"type": "observation", "data": data})
 
 
+_TEXT_OR_NONE = frozenset({str, type(None)})
+
+
 def text_observation_frame(
     *,
     prompt: str,
@@ -287,7 +283,17 @@ def text_observation_frame(
     data: dict[str, Any] = {"observation": fields, "reward": reward, "done": done}
     if metadata:
         data["metadata"] = metadata
-    return _dump_reply({"type": "observation", "data": data})
+    checked = (  # the common reply, checked without walking it (see wire_json.plain)
+        type(prompt) is str
+        and (reward is None or (type(reward) is float and reward - reward == 0.0))
+        and type(done) is bool
+        and type(truncated) is bool
+        and type(question) in _TEXT_OR_NONE
+        and type(answer) in _TEXT_OR_NONE
+        and (not metadata or wire_json.plain(metadata))
+        and (not images or wire_json.plain(images))
+    )
+    return _dump_reply({"type": "observation", "data": data}, checked=checked)
 
 
 def state_frame(state: BaseModel) -> str:
@@ -306,7 +312,7 @@ def error_frame(code: ErrorCode | str, message: str, **extra: Any) -> str:
     """
     frame = {"type": "error", "data": {"message": message, "code": str(code), **extra}}
     try:
-        return _JSON_OUT.encode(frame)
+        return wire_json.dumps(frame, _JSON_OUT.encode)
     except ValueError:
         return _JSON_OUT.encode({"type": "error", "data": {"message": message, "code": str(code)}})
 

@@ -28,6 +28,7 @@ from agile_llmenvs.errors import (
     EnvStateError,
     EnvTimeoutError,
 )
+from agile_llmenvs.transport import wire_json
 from agile_llmenvs.transport.protocol import error_from_wire, strict_json_loads
 from agile_llmenvs.transport.session_loop import SESSION_LOOP
 from agile_llmenvs.transport.types import EnvReply
@@ -369,7 +370,7 @@ class RemoteEnvClient:
     def _exchange_sync(self, message: dict[str, Any], *, parse: bool = True) -> Any:
         ws = self._sync_ws
         assert ws is not None
-        frame = json.dumps(message)
+        frame = wire_json.dumps(message, json.dumps)
         try:
             with contextlib.suppress(ConnectionClosed):  # a refusal frame may be queued
                 ws.send(frame)
@@ -425,7 +426,7 @@ class RemoteEnvClient:
     async def _exchange(self, message: dict[str, Any], *, parse: bool = True) -> Any:
         ws = self._ws
         assert ws is not None
-        frame = json.dumps(message)
+        frame = wire_json.dumps(message, json.dumps)
         try:
             with contextlib.suppress(ConnectionClosed):  # a refusal frame may be queued
                 await ws.send(frame)

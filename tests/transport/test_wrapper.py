@@ -108,5 +108,5 @@ def test_step_frame_is_the_frame_of_step_byte_for_byte() -> None:
     typed.reset(seed=2)
     last = framed.step_frame("stop")
     assert last == observation_frame(typed.step(TextAction(message="stop")))
-    assert '"question": "what to say?"' in last
+    assert '"question":"what to say?"' in last
     assert framed.state.step_count == typed.state.step_count == 1

@@ -17,8 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from agile_llmenvs import errors
-from agile_llmenvs.transport import wire_json
+from agile_llmenvs import _json, errors
 from agile_llmenvs.transport.types import TextObservation
 
 __all__ = [
@@ -97,20 +96,20 @@ class WireError(Exception):
 
 
 #: Writes JSON only: a non-finite float raises ``ValueError`` instead of writing ``NaN``; what
-#: :func:`~agile_llmenvs.transport.wire_json.dumps` falls back to (compact, as its frames are).
+#: :func:`~agile_llmenvs._json.dumps` falls back to (compact, as its frames are).
 _JSON_OUT = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 
 
 def strict_json_loads(raw: str | bytes) -> Any:
     """``json.loads`` that refuses the bare ``NaN``, ``Infinity`` and ``-Infinity`` (see
-    :func:`~agile_llmenvs.transport.wire_json.loads`).
+    :func:`~agile_llmenvs._json.loads`).
 
     Raises:
         json.JSONDecodeError: ``raw`` is not JSON.
         ValueError: ``raw`` holds one of those constants (the message names it), or nests
             deeper than the parser can recurse.
     """
-    return wire_json.loads(raw)
+    return _json.loads(raw)
 
 
 def _dump_reply(
@@ -119,9 +118,9 @@ def _dump_reply(
     """``frame`` as JSON text; a non-finite number in it is a :class:`WireError` naming its
     field, answered to the call that produced it (the encoder refuses non-finite floats, and
     only then is the frame searched). ``checked``: the caller has found it
-    :func:`~agile_llmenvs.transport.wire_json.plain`."""
+    :func:`~agile_llmenvs._json.plain`."""
     try:
-        return wire_json.dumps(frame, _JSON_OUT.encode, checked=checked)
+        return _json.dumps(frame, _JSON_OUT.encode, checked=checked)
     except ValueError:
         refuse_non_finite(frame.get("data"), prefix)
         raise
@@ -283,15 +282,15 @@ def text_observation_frame(
     data: dict[str, Any] = {"observation": fields, "reward": reward, "done": done}
     if metadata:
         data["metadata"] = metadata
-    checked = (  # the common reply, checked without walking it (see wire_json.plain)
+    checked = (  # the common reply, checked without walking it (see _json.plain)
         type(prompt) is str
         and (reward is None or (type(reward) is float and reward - reward == 0.0))
         and type(done) is bool
         and type(truncated) is bool
         and type(question) in _TEXT_OR_NONE
         and type(answer) in _TEXT_OR_NONE
-        and (not metadata or wire_json.plain(metadata))
-        and (not images or wire_json.plain(images))
+        and (not metadata or _json.plain(metadata))
+        and (not images or _json.plain(images))
     )
     return _dump_reply({"type": "observation", "data": data}, checked=checked)
 
@@ -312,7 +311,7 @@ def error_frame(code: ErrorCode | str, message: str, **extra: Any) -> str:
     """
     frame = {"type": "error", "data": {"message": message, "code": str(code), **extra}}
     try:
-        return wire_json.dumps(frame, _JSON_OUT.encode)
+        return _json.dumps(frame, _JSON_OUT.encode)
     except ValueError:
         return _JSON_OUT.encode({"type": "error", "data": {"message": message, "code": str(code)}})
 

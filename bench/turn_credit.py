@@ -19,8 +19,11 @@ A run that never reaches the threshold counts as its totals at the step cap, and
 top level, every-turn's under ``every_turn``), and for each task:
 
 * ``episode_over_best_tokens``: episode credit's tokens over the best of ``tree`` and
-  ``turn_mc`` (target >= 1.5 on at least two tasks);
+  ``turn_mc`` (and ``tree_leaves`` when run) (target >= 1.5 on at least two tasks);
 * ``anchor_over_tree_tokens``: ``anchor``'s tokens over ``tree``'s (``tree`` ahead: > 1);
+  ``anchor_over_tree_leaves_tokens`` and ``episode_over_tree_leaves_tokens`` for the opt-in
+  ``tree_leaves`` mode (``MODE_SETTINGS``: ``tree`` at equal leaves a group, Tree-GRPO's
+  comparison);
 * for reference: ``episode_over_turn_mc_tokens``, ``episode_over_tree_tokens``,
   ``episode_over_anchor_tokens``, ``episode_over_turn_mc_wall``.
 
@@ -60,7 +63,16 @@ TASKS = {
 }
 #: What a plain run measures; ``--tasks textworld`` adds TextWorld (see the docstring).
 DEFAULT_TASKS = ("corridor", "every_turn")
-MODES = ("episode", "turn_mc", "anchor", "tree")
+MODES = ("episode", "turn_mc", "anchor", "tree", "tree_leaves")
+#: What a mode sets in the task's manifest. ``tree_leaves`` is Tree-GRPO's own comparison, at
+#: equal leaves a group: ``tree`` on groups of 2 episodes, each branching one continuation
+#: before each later turn, so a group of these 4-turn tasks has 2 x (1 + 3) = 8 leaves, as a
+#: manifest group of 8 episodes has; the prefixes they share are sampled once. Opt-in
+#: (``--modes``): a plain run keeps its four modes.
+MODE_SETTINGS: dict[str, dict[str, Any]] = {
+    "tree_leaves": {"credit": "tree", "group_size": 2, "credit_rollouts": 1, "credit_turns": "all"},
+}
+DEFAULT_MODES = ("episode", "turn_mc", "anchor", "tree")
 SEEDS = (0, 1, 2)
 MAX_STEPS = 250
 THRESHOLD = 0.9
@@ -71,13 +83,13 @@ POLL_S = 0.5
 
 # One run, in a process of its own; it writes metrics.csv row by row into the given folder.
 _RUN = """
-import sys
+import json, sys
 from agile_llmenvs.specs import load_manifest
 from agile_llmenvs.training import train_grpo
 
-manifest_path, output_dir, credit, seed, max_steps = sys.argv[1:6]
+manifest_path, output_dir, settings, seed, max_steps = sys.argv[1:6]
 manifest = load_manifest(manifest_path)
-update = {"credit": credit, "max_steps": int(max_steps), "output_dir": output_dir,
+update = {**json.loads(settings), "max_steps": int(max_steps), "output_dir": output_dir,
           "tensorboard": False}
 training = manifest.training.model_copy(update=update)
 train_grpo(manifest.model_copy(update={"training": training, "seed": int(seed)}))
@@ -141,7 +153,8 @@ def run_once(credit: str, seed: int, max_steps: int, task: str = "corridor") -> 
     threshold = threshold_of(task)
     with tempfile.TemporaryDirectory(prefix=f"turn-credit-{credit}-") as folder:
         metrics, log = Path(folder) / "metrics.csv", Path(folder) / "stderr.log"
-        command = [sys.executable, "-c", _RUN, str(TASKS[task]), folder, credit, str(seed)]
+        settings = json.dumps(MODE_SETTINGS.get(credit, {"credit": credit}))
+        command = [sys.executable, "-c", _RUN, str(TASKS[task]), folder, settings, str(seed)]
         with log.open("w") as stderr:
             process = subprocess.Popen(
                 [*command, str(max_steps)], stdout=subprocess.DEVNULL, stderr=stderr
@@ -197,13 +210,15 @@ def _ratio(report: dict[str, Any], over: str, under: str, key: str) -> float | N
 def _task_report(runs: list[Learnt]) -> dict[str, Any]:
     """One task's medians per mode and its ratios."""
     medians = summarise(runs)
-    turn_level = [mode for mode in ("tree", "turn_mc") if mode in medians]
+    turn_level = [mode for mode in ("tree", "tree_leaves", "turn_mc") if mode in medians]
     best = min(turn_level, key=lambda mode: medians[mode]["tokens"], default=None)
     return {
         **medians,
         "best_turn_level": best,
         "episode_over_best_tokens": _ratio(medians, "episode", best, "tokens") if best else None,
         "anchor_over_tree_tokens": _ratio(medians, "anchor", "tree", "tokens"),
+        "anchor_over_tree_leaves_tokens": _ratio(medians, "anchor", "tree_leaves", "tokens"),
+        "episode_over_tree_leaves_tokens": _ratio(medians, "episode", "tree_leaves", "tokens"),
         "episode_over_tree_tokens": _ratio(medians, "episode", "tree", "tokens"),
         "episode_over_turn_mc_tokens": _ratio(medians, "episode", "turn_mc", "tokens"),
         "episode_over_turn_mc_wall": _ratio(medians, "episode", "turn_mc", "wall_s"),
@@ -246,7 +261,7 @@ def measure(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one seed: a smoke run")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES))
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(DEFAULT_TASKS))
     parser.add_argument("--max-steps", type=int, default=MAX_STEPS, help="step cap per run")
     args = parser.parse_args()

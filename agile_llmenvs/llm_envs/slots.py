@@ -178,14 +178,17 @@ class SlotPool:
         :class:`~agile_llmenvs.transport.calls.CallPolicy`); a few slow inline calls in a row
         send it back to the threads.
         """
-        inline = {i: c for i, c in calls.items() if self.calls.inline(self._env_class(i))}
+        classes = {i: self._env_class(i) for i in calls}
+        inline = {i: c for i, c in calls.items() if self.calls.inline(classes[i])}
         futures: dict[int, Future[Any]] = {
-            i: self.executor.submit(self._timed, i, c) for i, c in calls.items() if i not in inline
+            i: self.executor.submit(self._timed, classes[i], c)
+            for i, c in calls.items()
+            if i not in inline
         }
         results = {}
         for index, call in inline.items():
             try:
-                results[index] = self._timed(index, call)
+                results[index] = self._timed(classes[index], call)
             except Exception as exc:
                 self._slots[index].failure = f"{type(exc).__name__}: {exc}"
         done, _ = wait(futures.values(), timeout=self.io_timeout_s)
@@ -198,8 +201,7 @@ class SlotPool:
                 results[index] = future.result()
         return results
 
-    def _timed(self, index: int, call: Callable[[], Any]) -> Any:
-        env_class = self._env_class(index)
+    def _timed(self, env_class: type, call: Callable[[], Any]) -> Any:
         start = time.perf_counter()
         try:
             return call()

@@ -63,7 +63,6 @@ TASKS = {
 }
 #: What a plain run measures; ``--tasks textworld`` adds TextWorld (see the docstring).
 DEFAULT_TASKS = ("corridor", "every_turn")
-MODES = ("episode", "turn_mc", "anchor", "tree", "tree_leaves")
 #: What a mode sets in the task's manifest. ``tree_leaves`` is Tree-GRPO's own comparison, at
 #: equal leaves a group: ``tree`` on groups of 2 episodes, each branching one continuation
 #: before each later turn, so a group of these 4-turn tasks has 2 x (1 + 3) = 8 leaves, as a
@@ -73,6 +72,7 @@ MODE_SETTINGS: dict[str, dict[str, Any]] = {
     "tree_leaves": {"credit": "tree", "group_size": 2, "credit_rollouts": 1, "credit_turns": "all"},
 }
 DEFAULT_MODES = ("episode", "turn_mc", "anchor", "tree")
+MODES = (*DEFAULT_MODES, *MODE_SETTINGS)
 SEEDS = (0, 1, 2)
 MAX_STEPS = 250
 THRESHOLD = 0.9

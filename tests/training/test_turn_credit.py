@@ -539,15 +539,20 @@ def test_a_continuation_taking_the_same_actions_rebuilds_the_episodes_ids(
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
-@pytest.mark.parametrize("fsdp", [False, True], ids=["data_parallel", "fsdp"])
-def test_turn_mc_on_two_processes_values_each_ranks_states(
-    tiny_model_dir: Path, tmp_path: Path, fsdp: bool
+@pytest.mark.parametrize(
+    ("credit", "fsdp"),
+    [("turn_mc", False), ("turn_mc", True), ("tree", True)],
+    ids=["turn_mc-data_parallel", "turn_mc-fsdp", "tree-fsdp"],
+)
+def test_turn_credit_on_two_processes_values_each_ranks_states(
+    tiny_model_dir: Path, tmp_path: Path, credit: str, fsdp: bool
 ) -> None:
     """Each rank branches its own episodes (its continuations' generate calls paired with the
-    other rank's under FSDP); the credit counts are summed over the ranks."""
+    other rank's under FSDP); the credit counts are summed over the ranks. Under ``tree``
+    every token the continuations sampled trains too, on the rank that branched them."""
     out = tmp_path / "run"
     manifest = door_manifest(
-        tiny_model_dir, out, credit="turn_mc", credit_rollouts=2, batch_size=4, fsdp=fsdp
+        tiny_model_dir, out, credit=credit, credit_rollouts=2, batch_size=4, fsdp=fsdp
     )
     data = manifest.model_dump(mode="json", exclude_unset=True)
     data["env"]["entrypoint"] = f"{Path(__file__).parents[1] / 'branch_envs.py'}:DoorEnv"
@@ -559,6 +564,11 @@ def test_turn_mc_on_two_processes_values_each_ranks_states(
     # 4 groups of 2 over 2 ranks: 8 episodes of 3 turns, s_1 and s_2 of each valued
     assert [float(row["credit_states"]) for row in rows] == [16.0, 16.0]
     assert [float(row["credit_fallback_episodes"]) for row in rows] == [0.0, 0.0]
+    for row in rows:
+        policy, extra = float(row["policy_tokens"]), float(row["credit_tokens"])
+        assert extra > 0
+        trained = policy + extra if credit == "tree" else policy
+        assert float(row["trained_tokens"]) == trained
 
 
 KILLED_DURING_CREDIT = """

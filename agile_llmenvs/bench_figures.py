@@ -441,9 +441,11 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ),
         Figure(
             "episode_over_best_tokens",
-            f"{_CREDIT}: tokens sampled, episode credit over the best of `tree` and `turn_mc`",
+            f"{_CREDIT}: tokens sampled, episode credit over the best of `tree` (at"
+            " `group_size: 8`, and at 8 leaves a group: `tree_leaves`) and `turn_mc`",
             target=_at_least(1.5),
-            detail="{episode.tokens} vs `tree` {tree.tokens}, `turn_mc` {turn_mc.tokens}",
+            detail="{episode.tokens} vs `tree` {tree.tokens}, `tree_leaves` {tree_leaves.tokens}"
+            " ({tree_leaves.steps} steps), `turn_mc` {turn_mc.tokens}",
         ),
         Figure(
             "not_reached",
@@ -454,16 +456,26 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ),
         Figure(
             "every_turn.episode_over_best_tokens",
-            f"{_EVERY}: tokens sampled, episode credit over the best of `tree` and `turn_mc`",
+            f"{_EVERY}: tokens sampled, episode credit over the best of `tree` (at"
+            " `group_size: 8`, and at 8 leaves a group: `tree_leaves`) and `turn_mc`",
             target=_at_least(1.5),
-            detail="{every_turn.episode.tokens} vs `tree` {every_turn.tree.tokens}, `turn_mc`"
-            " {every_turn.turn_mc.tokens}",
+            detail="{every_turn.episode.tokens} vs `tree` {every_turn.tree.tokens},"
+            " `tree_leaves` {every_turn.tree_leaves.tokens} ({every_turn.tree_leaves.steps}"
+            " steps), `turn_mc` {every_turn.turn_mc.tokens}",
         ),
         Figure(
             "every_turn.anchor_over_tree_tokens",
-            f"{_EVERY}: tokens sampled, `anchor` over `tree` (`tree` ahead above 1)",
+            f"{_EVERY}: tokens sampled, `anchor` over `tree` at `group_size: 8` (`tree` ahead"
+            " above 1)",
             target=_at_least(1.0),
             detail="{every_turn.anchor.tokens} vs {every_turn.tree.tokens}",
+        ),
+        Figure(
+            "every_turn.anchor_over_tree_leaves_tokens",
+            f"{_EVERY}: tokens sampled, `anchor` over `tree` at 8 leaves a group"
+            " (`tree_leaves`: `group_size: 2`, `credit_rollouts: 1`; `tree` ahead above 1)",
+            target=_at_least(1.0),
+            detail="{every_turn.anchor.tokens} vs {every_turn.tree_leaves.tokens}",
         ),
         Figure(
             "every_turn.not_reached",

@@ -3,10 +3,11 @@
 Two tasks, on the built-in tiny model: the corridor (``manifests/grpo_corridor.yaml``: only
 the first of its turns decides the reward) and every-turn (``manifests/grpo_every_turn.yaml``:
 a digit at each of 4 turns, rewarded only if every turn said one). Each is trained with
-``training.credit`` set to ``episode`` (plain GRPO), ``turn_mc``, ``anchor`` and ``tree``,
-for ``SEEDS`` seeds each, every run a fresh process into a temporary folder, stopped once it
-has learnt the task or at ``--max-steps``. From each
-run's ``metrics.csv`` it finds the first step at which the mean of ``reward_mean`` over the
+``training.credit`` set to ``episode`` (plain GRPO), ``turn_mc``, ``anchor`` and ``tree`` at
+the manifest's settings, and ``tree_leaves`` (``MODE_SETTINGS``: ``tree`` at equal leaves a
+group, Tree-GRPO's comparison), for ``SEEDS`` seeds each, every run a fresh process into a
+temporary folder, stopped once it has learnt the task or at ``--max-steps``. From each run's
+``metrics.csv`` it finds the first step at which the mean of ``reward_mean`` over the
 last ``WINDOW`` steps reaches ``THRESHOLD``, and counts up to that step:
 
 * tokens: everything the policy sampled, ``policy_tokens`` (the training episodes) plus
@@ -18,12 +19,10 @@ A run that never reaches the threshold counts as its totals at the step cap, and
 (``reached: false``). Reports per task and mode the median over seeds (the corridor's at the
 top level, every-turn's under ``every_turn``), and for each task:
 
-* ``episode_over_best_tokens``: episode credit's tokens over the best of ``tree`` and
-  ``turn_mc`` (and ``tree_leaves`` when run) (target >= 1.5 on at least two tasks);
-* ``anchor_over_tree_tokens``: ``anchor``'s tokens over ``tree``'s (``tree`` ahead: > 1);
-  ``anchor_over_tree_leaves_tokens`` and ``episode_over_tree_leaves_tokens`` for the opt-in
-  ``tree_leaves`` mode (``MODE_SETTINGS``: ``tree`` at equal leaves a group, Tree-GRPO's
-  comparison);
+* ``episode_over_best_tokens``: episode credit's tokens over the best of ``tree``,
+  ``tree_leaves`` and ``turn_mc`` (target >= 1.5 on at least two tasks);
+* ``anchor_over_tree_tokens`` and ``anchor_over_tree_leaves_tokens``: ``anchor``'s tokens over
+  ``tree``'s (``tree`` ahead: > 1); ``episode_over_tree_leaves_tokens``;
 * for reference: ``episode_over_turn_mc_tokens``, ``episode_over_tree_tokens``,
   ``episode_over_anchor_tokens``, ``episode_over_turn_mc_wall``.
 
@@ -66,13 +65,12 @@ DEFAULT_TASKS = ("corridor", "every_turn")
 #: What a mode sets in the task's manifest. ``tree_leaves`` is Tree-GRPO's own comparison, at
 #: equal leaves a group: ``tree`` on groups of 2 episodes, each branching one continuation
 #: before each later turn, so a group of these 4-turn tasks has 2 x (1 + 3) = 8 leaves, as a
-#: manifest group of 8 episodes has; the prefixes they share are sampled once. Opt-in
-#: (``--modes``): a plain run keeps its four modes.
+#: manifest group of 8 episodes has; the prefixes they share are sampled once.
 MODE_SETTINGS: dict[str, dict[str, Any]] = {
     "tree_leaves": {"credit": "tree", "group_size": 2, "credit_rollouts": 1, "credit_turns": "all"},
 }
-DEFAULT_MODES = ("episode", "turn_mc", "anchor", "tree")
-MODES = (*DEFAULT_MODES, *MODE_SETTINGS)
+DEFAULT_MODES = ("episode", "turn_mc", "anchor", "tree", "tree_leaves")
+MODES = tuple(dict.fromkeys((*DEFAULT_MODES, *MODE_SETTINGS)))
 SEEDS = (0, 1, 2)
 MAX_STEPS = 250
 THRESHOLD = 0.9

@@ -20,7 +20,8 @@ A run that never reaches the threshold counts as its totals at the step cap, and
 top level, every-turn's under ``every_turn``), and for each task:
 
 * ``episode_over_best_tokens``: episode credit's tokens over the best of ``tree``,
-  ``tree_leaves`` and ``turn_mc`` (target >= 1.5 on at least two tasks);
+  ``tree_leaves`` and ``turn_mc`` (and ``turn_mc_leaves`` when run; target >= 1.5 on at least
+  two tasks);
 * ``anchor_over_tree_tokens`` and ``anchor_over_tree_leaves_tokens``: ``anchor``'s tokens over
   ``tree``'s (``tree`` ahead: > 1); ``episode_over_tree_leaves_tokens``;
 * for reference: ``episode_over_turn_mc_tokens``, ``episode_over_tree_tokens``,
@@ -65,9 +66,20 @@ DEFAULT_TASKS = ("corridor", "every_turn")
 #: What a mode sets in the task's manifest. ``tree_leaves`` is Tree-GRPO's own comparison, at
 #: equal leaves a group: ``tree`` on groups of 2 episodes, each branching one continuation
 #: before each later turn, so a group of these 4-turn tasks has 2 x (1 + 3) = 8 leaves, as a
-#: manifest group of 8 episodes has; the prefixes they share are sampled once.
+#: manifest group of 8 episodes has; the prefixes they share are sampled once. The others are
+#: opt-in controls at the same group size (``--modes episode_g2 anchor_g2 turn_mc_leaves``;
+#: docs/performance.md): they tell the smaller group's share of ``tree_leaves``' saving from
+#: the branches'.
 MODE_SETTINGS: dict[str, dict[str, Any]] = {
     "tree_leaves": {"credit": "tree", "group_size": 2, "credit_rollouts": 1, "credit_turns": "all"},
+    "episode_g2": {"credit": "episode", "group_size": 2},
+    "anchor_g2": {"credit": "anchor", "group_size": 2},
+    "turn_mc_leaves": {
+        "credit": "turn_mc",
+        "group_size": 2,
+        "credit_rollouts": 1,
+        "credit_turns": "all",
+    },
 }
 DEFAULT_MODES = ("episode", "turn_mc", "anchor", "tree", "tree_leaves")
 MODES = tuple(dict.fromkeys((*DEFAULT_MODES, *MODE_SETTINGS)))
@@ -208,7 +220,8 @@ def _ratio(report: dict[str, Any], over: str, under: str, key: str) -> float | N
 def _task_report(runs: list[Learnt]) -> dict[str, Any]:
     """One task's medians per mode and its ratios."""
     medians = summarise(runs)
-    turn_level = [mode for mode in ("tree", "tree_leaves", "turn_mc") if mode in medians]
+    branched = ("tree", "tree_leaves", "turn_mc", "turn_mc_leaves")
+    turn_level = [mode for mode in branched if mode in medians]
     best = min(turn_level, key=lambda mode: medians[mode]["tokens"], default=None)
     return {
         **medians,

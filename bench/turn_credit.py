@@ -70,16 +70,12 @@ DEFAULT_TASKS = ("corridor", "every_turn")
 #: opt-in controls at the same group size (``--modes episode_g2 anchor_g2 turn_mc_leaves``;
 #: docs/performance.md): they tell the smaller group's share of ``tree_leaves``' saving from
 #: the branches'.
+_LEAVES = {"group_size": 2, "credit_rollouts": 1, "credit_turns": "all"}
 MODE_SETTINGS: dict[str, dict[str, Any]] = {
-    "tree_leaves": {"credit": "tree", "group_size": 2, "credit_rollouts": 1, "credit_turns": "all"},
+    "tree_leaves": {"credit": "tree", **_LEAVES},
     "episode_g2": {"credit": "episode", "group_size": 2},
     "anchor_g2": {"credit": "anchor", "group_size": 2},
-    "turn_mc_leaves": {
-        "credit": "turn_mc",
-        "group_size": 2,
-        "credit_rollouts": 1,
-        "credit_turns": "all",
-    },
+    "turn_mc_leaves": {"credit": "turn_mc", **_LEAVES},
 }
 DEFAULT_MODES = ("episode", "turn_mc", "anchor", "tree", "tree_leaves")
 MODES = tuple(dict.fromkeys((*DEFAULT_MODES, *MODE_SETTINGS)))

@@ -233,11 +233,16 @@ class ActionPlayer:
         tool calls are read from its ids decoded with special tokens, where markers such as
         ``[TOOL_CALLS]`` live. A turn: its env calls are yielded (see the module docstring)."""
         config = self.config
-        action = self.env_text(text)
+        if not config.mcp_tool and config.action_parser is None:  # the text is the action
+            step = EnvCall("step", (self.env_text(text),))
+            return self._send(step, text_field=self.text_field)
+        return self._play_fields(self.env_text(text), completion_ids)
+
+    def _play_fields(self, action: str, completion_ids: Sequence[int]) -> EnvTurn[ActionOutcome]:
+        """:meth:`play` for an action sent by its fields (an ``action_parser``'s) or as tool
+        calls (``mcp_tool``)."""
+        config = self.config
         if not config.mcp_tool:
-            if config.action_parser is None:
-                step = EnvCall("step", (action,))
-                return (yield from self._send(step, text_field=self.text_field))
             try:
                 fields = dict(config.action_parser(action))
             except ValueError as exc:  # the parser's refusal: the policy's mistake

@@ -61,4 +61,5 @@ class EpisodeState:
                 )
             )
         self.ids, self.mask, self.turn_ids, self.logps = [], [], [], []
-        self.images = SampleImages()
+        if self.images.images:  # an empty one is kept: it is frozen
+            self.images = SampleImages()

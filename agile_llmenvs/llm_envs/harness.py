@@ -214,17 +214,24 @@ class RolloutHarness:
             task = {**rows[index], **task}
         kwargs = {"seed": seed, **task}
         reply = yield EnvCall("reset", kwargs=kwargs)
+        config = self.config
         episode = self._episode = EpisodeState(info=self.renderer.env_info(reply))
         episode.reset_kwargs = kwargs
-        episode.prompt_text = yield from self._first_prompt(reply)
-        head = "\n\n".join(filter(None, [self.config.instruction, episode.prompt_text]))
+        if reply.observation or config.observation_processor or config.observation_field:
+            text = self._observation_text(reply)
+        else:  # an MCP env's empty reset: introduced by its tools
+            text = yield from self._first_prompt(reply)
+        episode.prompt_text = text
+        instruction = config.instruction
+        head = f"{instruction}\n\n{text}" if instruction and text else text or instruction or ""
         content = with_images(head, self.renderer.images(reply))
-        episode.system_prompt = self.config.system_prompt or _env_system_prompt(episode.info)
-        episode.messages = [*self._system(), {"role": "user", "content": content}]
+        system = episode.system_prompt = config.system_prompt or _env_system_prompt(episode.info)
+        user = {"role": "user", "content": content}
+        episode.messages = [{"role": "system", "content": system}, user] if system else [user]
         ids, episode.images = self.renderer.prompt(episode.messages)
         episode.append(ids, turn=None)
-        for name in ("max_model_len", "segment_prompt_tokens"):
-            limit = getattr(self.config, name)
+        limits = (config.max_model_len, config.segment_prompt_tokens)
+        for name, limit in zip(("max_model_len", "segment_prompt_tokens"), limits, strict=True):
             if limit is not None and len(ids) > limit:
                 episode.info["prompt_limit"] = {"prompt_tokens": len(ids), name: limit}
                 self._finish(StopReason.PROMPT_LIMIT)
@@ -425,11 +432,8 @@ class RolloutHarness:
         episode.close_sample()
 
     def _first_prompt(self, reply: EnvReply) -> EnvTurn[str]:
-        """The reset observation's text; for an empty one (an MCP env's reset says nothing),
-        the tools the env lists, asked once per harness since they come with the env."""
-        config = self.config
-        if reply.observation or config.observation_processor or config.observation_field:
-            return self._observation_text(reply)
+        """The text of an empty reset observation (an MCP env's reset says nothing): the
+        tools the env lists, asked once per harness since they come with the env."""
         if self._tools is None:
             self._tools = yield from self._list_tools()
         return _tools_text(self._tools) if self._tools else self._observation_text(reply)
@@ -458,10 +462,6 @@ class RolloutHarness:
         else:
             text = reply.prompt
         return cut_observation(text, config.max_observation_bytes)
-
-    def _system(self) -> list[dict[str, Any]]:
-        prompt = self._require_episode().system_prompt
-        return [{"role": "system", "content": prompt}] if prompt else []
 
     def _require_episode(self) -> EpisodeState:
         if self._episode is None:

@@ -41,6 +41,9 @@ class Slot:
         release_pending: The episode was finalized while its step ran: free the slot when
             the step returns.
         failure: Why the slot's current episode failed, if it did.
+        calls_class: The class whose call times the pool's :class:`CallPolicy` judges for
+            this slot (see :meth:`SlotPool.run`), with the client it was read from
+            (``calls_client``): read again when the harness's client changes.
     """
 
     harness: RolloutHarness | None = None
@@ -48,6 +51,8 @@ class Slot:
     in_flight: bool = False
     release_pending: bool = False
     failure: str | None = None
+    calls_client: Any = None
+    calls_class: type | None = None
 
 
 class SlotPool:
@@ -178,17 +183,22 @@ class SlotPool:
         :class:`~agile_llmenvs.transport.calls.CallPolicy`); a few slow inline calls in a row
         send it back to the threads.
         """
-        classes = {i: self._env_class(i) for i in calls}
-        inline = {i: c for i, c in calls.items() if self.calls.inline(classes[i])}
-        futures: dict[int, Future[Any]] = {
-            i: self.executor.submit(self._timed, classes[i], c)
-            for i, c in calls.items()
-            if i not in inline
-        }
+        judged: dict[type, bool] = {}  # one verdict per class a call: all judged before any runs
+        inline: list[tuple[int, type, Callable[[], Any]]] = []
+        futures: dict[int, Future[Any]] = {}
+        for index, call in calls.items():
+            env_class = self._env_class(index)
+            verdict = judged.get(env_class)
+            if verdict is None:
+                verdict = judged[env_class] = self.calls.inline(env_class)
+            if verdict:
+                inline.append((index, env_class, call))
+            else:
+                futures[index] = self.executor.submit(self._timed, env_class, call)
         results = {}
-        for index, call in inline.items():
+        for index, env_class, call in inline:
             try:
-                results[index] = self._timed(classes[index], call)
+                results[index] = self._timed(env_class, call)
             except Exception as exc:
                 self._slots[index].failure = f"{type(exc).__name__}: {exc}"
         done, _ = wait(futures.values(), timeout=self.io_timeout_s)
@@ -210,12 +220,17 @@ class SlotPool:
 
     def _env_class(self, index: int) -> type:
         """The class whose calls the policy judges: an in-process env's, else the client's
-        (remote calls always go to threads: their waiting is what runs concurrently)."""
-        client = self.harness(index).client
-        if isinstance(client, InProcessEnvClient):
-            env = client.env
-            return type(getattr(env, "inner", env))
-        return _RemoteCalls
+        (remote calls always go to threads: their waiting is what runs concurrently); read
+        once per client of the slot."""
+        slot = self._slots[index]
+        client = (slot.harness or self.harness(index)).client
+        if slot.calls_client is not client or slot.calls_class is None:
+            env_class: type = _RemoteCalls
+            if isinstance(client, InProcessEnvClient):
+                env = client.env
+                env_class = type(getattr(env, "inner", env))
+            slot.calls_client, slot.calls_class = client, env_class
+        return slot.calls_class
 
     def close(self) -> None:
         """Close every slot's env and stop the worker threads."""

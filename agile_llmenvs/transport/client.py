@@ -251,7 +251,8 @@ def _is_mcp_env(env: object) -> bool:
 
 def _text_reply(fields: dict[str, Any]) -> EnvReply:
     """The reply to an observation with these :class:`TextObservation` field values (reward,
-    done and the rest at their defaults when absent, as after a reset)."""
+    done and the rest at their defaults when absent, as after a reset); the reply holds
+    ``fields["metadata"]`` itself (a copy of the env's info the caller made)."""
     reward = fields.get("reward")
     metadata = fields["metadata"]
     if (metadata and not holds_no_float(metadata)) or (
@@ -268,16 +269,17 @@ def _text_reply(fields: dict[str, Any]) -> EnvReply:
     }
     if fields.get("images"):  # as on the wire: present only when there are images
         observation["images"] = fields["images"]
-    return EnvReply(
+    return EnvReply(  # the metadata is the wrapper's own copy of the env's info
         observation,
         None if reward is None else float(reward),
         bool(fields.get("done", False)),
-        dict(metadata),
+        metadata,
     )
 
 
 def _reply(observation: Any) -> EnvReply:
     """The reply a remote client would parse from this observation's frame."""
     if type(observation) is TextObservation:  # its fields are JSON values already: no round trip
-        return _text_reply(observation.__dict__)
+        fields = observation.__dict__
+        return _text_reply({**fields, "metadata": dict(fields["metadata"])})
     return EnvReply.from_wire(json.loads(observation_frame(observation))["data"])

@@ -20,9 +20,9 @@ from typing import Any
 
 from agile_llmenvs.core import EpisodeData, failed_episode
 from agile_llmenvs.errors import SlotTimeoutError
+from agile_llmenvs.llm_envs.actions import in_process_env_class
 from agile_llmenvs.llm_envs.harness import RolloutHarness
 from agile_llmenvs.transport.calls import CallPolicy
-from agile_llmenvs.transport.client import InProcessEnvClient
 
 __all__ = ["GROUP_HOLDER", "Slot", "SlotPool"]
 
@@ -225,11 +225,8 @@ class SlotPool:
         slot = self._slots[index]
         client = (slot.harness or self.harness(index)).client
         if slot.calls_client is not client or slot.calls_class is None:
-            env_class: type = _RemoteCalls
-            if isinstance(client, InProcessEnvClient):
-                env = client.env
-                env_class = type(getattr(env, "inner", env))
-            slot.calls_client, slot.calls_class = client, env_class
+            slot.calls_client = client
+            slot.calls_class = in_process_env_class(client) or _RemoteCalls
         return slot.calls_class
 
     def close(self) -> None:

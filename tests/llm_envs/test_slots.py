@@ -58,3 +58,27 @@ def test_a_hung_call_fails_and_replaces_only_its_slot(tokenizer: Any) -> None:
     assert pool.episode(1, "unused").info == {"error": "the env call exceeded io_timeout_s=0.5"}
     assert pool.harness(1) is not hung
     pool.close()
+
+
+class _OtherRowEnv(RowEnv):
+    """The same env under another class: its calls have proven nothing yet."""
+
+
+def test_a_slot_whose_client_changes_is_judged_by_the_new_env_class(tokenizer: Any) -> None:
+    from agile_llmenvs.transport.calls import WARMUP_CALLS
+    from agile_llmenvs.transport.client import InProcessEnvClient
+
+    pool = pool_of(tokenizer, size=1)
+
+    def reset_on_thread() -> str:
+        pool.harness(0).reset(row_index=1)
+        return threading.current_thread().name
+
+    for _ in range(WARMUP_CALLS):  # RowEnv proves its calls fast on the worker threads
+        assert pool.run({0: reset_on_thread})[0].startswith("rollout-slot")
+    assert pool.run({0: reset_on_thread}) == {0: threading.current_thread().name}  # inline
+    pool.harness(0).client = InProcessEnvClient(_OtherRowEnv(rows=4))
+    assert pool.run({0: reset_on_thread})[0].startswith("rollout-slot")  # unproven: a thread
+    assert not pool.calls.inline(_OtherRowEnv)
+    assert pool.calls.inline(RowEnv)
+    pool.close()

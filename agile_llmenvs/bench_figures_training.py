@@ -173,6 +173,14 @@ TRAINING_FIGURES: dict[str, tuple[Figure, ...]] = {
             unit="",
             target=at_most(0.05),
         ),
+        Figure(
+            "floor_overhead_ratio",
+            f"{_STEP}: the same share with the collector's reset and step cut to their floor"
+            " (the env's own calls, the prompt's ids, the decode, the episode's record), same"
+            " run (reference)",
+            unit="",
+            detail="env and harness {floor_env_time_s} s a step against {env_time_s} s",
+        ),
         Figure("gen_time_s", f"{_STEP} generation time", unit=" s"),
         Figure("env_time_s", f"{_STEP} env and harness time", unit=" s"),
         Figure("learn_time_s", f"{_STEP} learning time", unit=" s"),

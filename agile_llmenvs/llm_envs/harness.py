@@ -222,16 +222,15 @@ class RolloutHarness:
         else:  # an MCP env's empty reset: introduced by its tools
             text = yield from self._first_prompt(reply)
         episode.prompt_text = text
-        instruction = config.instruction
-        head = f"{instruction}\n\n{text}" if instruction and text else text or instruction or ""
+        head = "\n\n".join(filter(None, [config.instruction, text]))
         content = with_images(head, self.renderer.images(reply))
         system = episode.system_prompt = config.system_prompt or _env_system_prompt(episode.info)
         user = {"role": "user", "content": content}
         episode.messages = [{"role": "system", "content": system}, user] if system else [user]
         ids, episode.images = self.renderer.prompt(episode.messages)
         episode.append(ids, turn=None)
-        limits = (config.max_model_len, config.segment_prompt_tokens)
-        for name, limit in zip(("max_model_len", "segment_prompt_tokens"), limits, strict=True):
+        for name in ("max_model_len", "segment_prompt_tokens"):
+            limit = getattr(config, name)
             if limit is not None and len(ids) > limit:
                 episode.info["prompt_limit"] = {"prompt_tokens": len(ids), name: limit}
                 self._finish(StopReason.PROMPT_LIMIT)

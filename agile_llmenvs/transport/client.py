@@ -269,7 +269,7 @@ def _text_reply(fields: dict[str, Any]) -> EnvReply:
     }
     if fields.get("images"):  # as on the wire: present only when there are images
         observation["images"] = fields["images"]
-    return EnvReply(  # the metadata is the wrapper's own copy of the env's info
+    return EnvReply(
         observation,
         None if reward is None else float(reward),
         bool(fields.get("done", False)),

@@ -30,13 +30,8 @@ def jsonable(value: Any) -> Any:
     """
     if type(value) in _PLAIN:  # the common case, first: this runs on every env reply
         return value
-    if type(value) is dict:  # an env's info: its plain values copied without a call each
-        return {
-            k if type(k) is str else str(k): v if type(v) in _PLAIN else jsonable(v)
-            for k, v in value.items()
-        }
-    if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, Mapping):  # an env's info: its plain values copied without a call
+        return {str(k): v if type(v) in _PLAIN else jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
         return [jsonable(v) for v in value]
     if isinstance(value, np.ndarray):

@@ -22,12 +22,14 @@ from agile_llmenvs.transport import OpenEnvServer, ServerSettings
 from agile_llmenvs.transport.remote import RemoteEnvClient
 
 RELEASE = threading.Event()
+SLOW_CALL_STARTED = threading.Event()
 
 
 @pytest.fixture(autouse=True)
 def release_hung_calls() -> Iterator[None]:
     """Hung env calls return once a test ends, so no thread outlives it for long."""
     RELEASE.clear()
+    SLOW_CALL_STARTED.clear()
     yield
     RELEASE.set()
 
@@ -42,17 +44,18 @@ class HangingEnv(EchoEnv):
 
 
 class SlowStateEnvironment(EchoEnvironment):
-    """An OpenEnv env whose ``state`` and ``get_metadata`` take ``SLOW_S`` seconds."""
-
-    SLOW_S = 3.0
+    """An OpenEnv env whose ``state`` and ``get_metadata`` block until the test releases
+    them (or 30 s pass)."""
 
     @property
     def state(self) -> Any:
-        RELEASE.wait(self.SLOW_S)
+        SLOW_CALL_STARTED.set()
+        RELEASE.wait(30)
         return super().state
 
     def get_metadata(self) -> Any:
-        RELEASE.wait(self.SLOW_S)
+        SLOW_CALL_STARTED.set()
+        RELEASE.wait(30)
         return super().get_metadata()
 
 
@@ -126,12 +129,6 @@ def test_serve_exits_on_sigterm_while_an_env_step_hangs() -> None:
             served.kill()
 
 
-def timed_health(url: str) -> float:
-    start = time.monotonic()
-    assert httpx.get(url + "/health").status_code == 200
-    return time.monotonic() - start
-
-
 @pytest.mark.parametrize("slow", ["ws state", "GET /state", "GET /metadata"])
 def test_a_slow_state_or_metadata_call_leaves_the_event_loop_free(slow: str) -> None:
     with (
@@ -149,8 +146,11 @@ def test_a_slow_state_or_metadata_call_leaves_the_event_loop_free(slow: str) -> 
                 target=lambda: answers.append(httpx.get(server.url + path, timeout=10))
             )
         waiter.start()
-        time.sleep(0.3)  # the slow call is running (3 s): a blocked loop answers in ~2.7 s
-        assert timed_health(server.url) < 1.5
+        assert SLOW_CALL_STARTED.wait(10)
+        # the slow call runs until the test releases it, so only a free loop answers this
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        assert not answers
+        RELEASE.set()
         waiter.join(10)
         answer = answers[0]
         if isinstance(answer, dict):
@@ -313,7 +313,8 @@ def test_a_connection_that_sends_only_garbage_holds_no_slot_and_is_closed() -> N
 
 
 def make_napping_tools_environment() -> Any:
-    """An OpenEnv MCP env whose sync tool ``nap`` blocks for ``seconds``."""
+    """An OpenEnv MCP env whose sync tool ``nap`` blocks until the test releases it (or
+    ``seconds`` pass)."""
     from fastmcp import FastMCP
     from openenv.core.env_server.mcp_environment import MCPEnvironment
     from openenv.core.env_server.types import Observation, State
@@ -324,7 +325,8 @@ def make_napping_tools_environment() -> Any:
 
             @server.tool
             def nap(seconds: float) -> str:
-                """Block for ``seconds``."""
+                """Block until released, or for ``seconds``."""
+                SLOW_CALL_STARTED.set()
                 RELEASE.wait(seconds)
                 return "rested"
 
@@ -353,17 +355,20 @@ def test_a_slow_sync_mcp_tool_leaves_the_event_loop_free() -> None:
         call = {
             "jsonrpc": "2.0",
             "method": "tools/call",
-            "params": {"name": "nap", "arguments": {"seconds": 4.0}},
+            "params": {"name": "nap", "arguments": {"seconds": 30.0}},
             "id": 1,
         }
         listed = httpx.post(server.url + "/mcp", json={**call, "method": "tools/list"}, timeout=30)
         assert listed.json()["result"]["tools"][0]["name"] == "nap"  # imports done, types known
         answers: list[httpx.Response] = []
         waiter = threading.Thread(
-            target=lambda: answers.append(httpx.post(server.url + "/mcp", json=call, timeout=10))
+            target=lambda: answers.append(httpx.post(server.url + "/mcp", json=call, timeout=40))
         )
         waiter.start()
-        time.sleep(0.5)  # the tool is running (4 s): a blocked loop answers in ~3.5 s
-        assert timed_health(server.url) < 1.5
+        assert SLOW_CALL_STARTED.wait(10)
+        # the tool runs until the test releases it, so only a free loop answers this
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        assert not answers
+        RELEASE.set()
         waiter.join(10)
         assert "rested" in json.dumps(answers[0].json()["result"])

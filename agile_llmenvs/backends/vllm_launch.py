@@ -13,7 +13,8 @@ place (``--enable-lora --max-lora-rank R --max-loras 1`` and
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, which opens ``POST /v1/load_lora_adapter``).
 
 Each server runs in a process group of its own (its engine-core child with it), is told to
-die with the process that started it (``PR_SET_PDEATHSIG``), and is stopped at exit.
+die with the process that started it, whichever thread starts it
+(:func:`~agile_llmenvs._children.popen_tied`), and is stopped at exit.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Literal, Self
 
+from agile_llmenvs._children import popen_tied
 from agile_llmenvs.errors import GenerationServerError, GenerationTimeoutError
 from agile_llmenvs.weights import WORKER_EXTENSION
 
@@ -193,20 +195,14 @@ class VLLMServerProcess:
             self.log_path = Path(name)
         self._log = self.log_path.open("wb")
         cpus = self.cpus
-
-        def in_child() -> None:
-            _die_with_parent()
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
-        self._process = subprocess.Popen(
+        self._process = popen_tied(
             self.command(),
+            in_child=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,  # its own process group: stop() reaches the engine too
-            preexec_fn=in_child,
         )
         _LIVE.add(self)
         return self
@@ -299,16 +295,6 @@ class VLLMServerProcess:
         assert self._process is not None
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._process.pid, sig)  # its pid is its group's id (a new session)
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this (child) process when the process that started it dies."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 @atexit.register

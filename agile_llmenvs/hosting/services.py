@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from agile_llmenvs._children import popen_tied
 from agile_llmenvs.errors import EnvBuildError
 from agile_llmenvs.specs import EnvServiceSpec
 
 __all__ = ["ServiceProcess", "start_services", "stop_services"]
-
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 class ServiceProcess:
@@ -38,17 +34,16 @@ class ServiceProcess:
         assert spec.command is not None  # HostConfig refuses image-only services
         self.spec = spec
         self.log_path = log_dir / f"{spec.name}.log"
-        parent = os.getpid()
         with self.log_path.open("wb") as log:
             try:
-                self.process = subprocess.Popen(
+                self.process = popen_tied(
                     spec.command,
+                    death_signal=signal.SIGKILL,
                     env={**os.environ, **spec.env_vars},
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=lambda: _die_with(parent),
                 )
             except OSError as exc:
                 raise EnvBuildError(
@@ -121,14 +116,6 @@ def stop_services(services: Sequence[ServiceProcess]) -> None:
     """Stop services in the reverse order of their start."""
     for service in reversed(services):
         service.stop()
-
-
-def _die_with(parent: int) -> None:
-    """In the child before exec: die when ``parent`` does (Linux ``PR_SET_PDEATHSIG``)."""
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the host died between fork and prctl
-        os._exit(1)
 
 
 def _accepts(port: int) -> bool:

@@ -1,0 +1,100 @@
+"""Child processes that die with this one, whichever thread starts them.
+
+Linux's parent-death signal (``PR_SET_PDEATHSIG``) is sent when the *thread* that forked the
+child ends, not the process: a server started from a ``ThreadPoolExecutor`` worker, or from a
+thread per server so that several start at once, would be signalled as soon as that thread
+finished. :func:`popen_tied` therefore forks from the main thread when called there, and from
+one daemon thread kept for the process's life otherwise.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["popen_tied"]
+
+_PR_SET_PDEATHSIG = 1
+
+_Job = tuple[Callable[[], subprocess.Popen[Any]], concurrent.futures.Future[subprocess.Popen[Any]]]
+
+
+def popen_tied(
+    args: Sequence[str],
+    *,
+    death_signal: signal.Signals = signal.SIGTERM,
+    in_child: Callable[[], object] | None = None,
+    **popen_kwargs: Any,
+) -> subprocess.Popen[Any]:
+    """``subprocess.Popen(args, **popen_kwargs)`` whose child gets ``death_signal`` when this
+    process dies (on Linux; elsewhere a plain ``Popen``), even by ``SIGKILL``.
+
+    Args:
+        args: The command.
+        death_signal: What the child receives when this process dies.
+        in_child: Also run in the child before ``exec`` (after the signal is set).
+        popen_kwargs: Passed on to ``Popen`` (not ``preexec_fn``: use ``in_child``).
+    """
+    parent = os.getpid()
+
+    def before_exec() -> None:
+        if _LIBC is not None:
+            _LIBC.prctl(_PR_SET_PDEATHSIG, int(death_signal))
+            if os.getppid() != parent:  # this process died between fork and prctl
+                os._exit(1)
+        if in_child is not None:
+            in_child()
+
+    def start() -> subprocess.Popen[Any]:
+        return subprocess.Popen(args, preexec_fn=before_exec, **popen_kwargs)
+
+    if threading.current_thread() is threading.main_thread():
+        return start()
+    return _KEEPER.run(start)
+
+
+class _Keeper:
+    """A daemon thread that starts children for threads that may end before them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[_Job] | None = None
+
+    def run(self, start: Callable[[], subprocess.Popen[Any]]) -> subprocess.Popen[Any]:
+        """``start()`` on the keeper thread (started on first use); its result or error."""
+        future: concurrent.futures.Future[subprocess.Popen[Any]] = concurrent.futures.Future()
+        with self._lock:
+            if self._jobs is None:
+                self._jobs = queue.SimpleQueue()
+                threading.Thread(
+                    target=self._serve, args=(self._jobs,), name="child-starter", daemon=True
+                ).start()
+            self._jobs.put((start, future))
+        return future.result()
+
+    def forget(self) -> None:
+        """After a fork: the keeper thread was not copied into the child process."""
+        self._lock = threading.Lock()
+        self._jobs = None
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue[_Job]) -> None:
+        while True:
+            start, future = jobs.get()
+            try:
+                future.set_result(start())
+            except BaseException as exc:  # the caller's to raise
+                future.set_exception(exc)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_KEEPER = _Keeper()
+os.register_at_fork(after_in_child=_KEEPER.forget)

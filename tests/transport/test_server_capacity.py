@@ -68,13 +68,19 @@ def ask(ws: ClientConnection, message: dict[str, Any], timeout: float = 10) -> d
     return json.loads(ws.recv(timeout=timeout))
 
 
-def hang_one_step(url: str) -> dict[str, Any]:
-    """A session whose step hangs; the server's reply once the step's bound passes."""
-    with ws_connect(url) as ws:
+def hang_one_step(server: OpenEnvServer) -> dict[str, Any]:
+    """A session whose step hangs; the server's reply once the step's bound passes. Returns
+    once the session's slot is free again: the server gives it back after closing the
+    discarded env, a moment after the connection closes."""
+    with ws_connect(server.url) as ws:
         ask(ws, {"type": "reset"})
         reply = ask(ws, {"type": "step", "data": {"message": "hang"}})
         with pytest.raises(ConnectionClosed):
             ws.recv(timeout=5)
+    deadline = time.monotonic() + 10
+    while server.active_sessions:
+        assert time.monotonic() < deadline, "the discarded session's slot was never freed"
+        time.sleep(0.01)
     return reply
 
 
@@ -82,7 +88,7 @@ def test_two_hung_steps_on_capacity_two_leave_new_sessions_served() -> None:
     settings = ServerSettings(env_step_timeout_s=0.3)
     with OpenEnvServer(make_env=HangingEnv, max_concurrent_envs=2, settings=settings) as server:
         for _ in range(2):
-            reply = hang_one_step(server.url)
+            reply = hang_one_step(server)
             assert reply["data"]["code"] == "EXECUTION_ERROR"
             assert "took longer than env_step_timeout_s=0.3 s" in reply["data"]["message"]
         for _ in range(2):  # each hung call's thread was replaced; the slots came back
@@ -95,9 +101,9 @@ def test_two_hung_steps_on_capacity_two_leave_new_sessions_served() -> None:
 def test_a_server_past_its_bound_of_hung_calls_reports_unhealthy() -> None:
     settings = ServerSettings(env_step_timeout_s=0.3)
     with OpenEnvServer(make_env=HangingEnv, max_concurrent_envs=1, settings=settings) as server:
-        hang_one_step(server.url)  # 1 thread, 2 hung calls replaced at most
+        hang_one_step(server)  # 1 thread, 2 hung calls replaced at most
         assert httpx.get(server.url + "/health").status_code == 200
-        hang_one_step(server.url)
+        hang_one_step(server)
         health = httpx.get(server.url + "/health")
         assert health.status_code == 503
         assert health.json() == {

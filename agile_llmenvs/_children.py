@@ -4,7 +4,7 @@ Linux's parent-death signal (``PR_SET_PDEATHSIG``) is sent when the *thread* tha
 child ends, not the process: a server started from a ``ThreadPoolExecutor`` worker, or from a
 thread per server so that several start at once, would be signalled as soon as that thread
 finished. :func:`popen_tied` therefore forks from the main thread when called there, and from
-one daemon thread kept for the process's life otherwise.
+one starter thread kept for the process's life otherwise.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -23,8 +22,6 @@ from typing import Any
 __all__ = ["popen_tied"]
 
 _PR_SET_PDEATHSIG = 1
-
-_Job = tuple[Callable[[], subprocess.Popen[Any]], concurrent.futures.Future[subprocess.Popen[Any]]]
 
 
 def popen_tied(
@@ -58,43 +55,16 @@ def popen_tied(
 
     if threading.current_thread() is threading.main_thread():
         return start()
-    return _KEEPER.run(start)
+    return _STARTER.submit(start).result()
 
 
-class _Keeper:
-    """A daemon thread that starts children for threads that may end before them."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[_Job] | None = None
-
-    def run(self, start: Callable[[], subprocess.Popen[Any]]) -> subprocess.Popen[Any]:
-        """``start()`` on the keeper thread (started on first use); its result or error."""
-        future: concurrent.futures.Future[subprocess.Popen[Any]] = concurrent.futures.Future()
-        with self._lock:
-            if self._jobs is None:
-                self._jobs = queue.SimpleQueue()
-                threading.Thread(
-                    target=self._serve, args=(self._jobs,), name="child-starter", daemon=True
-                ).start()
-            self._jobs.put((start, future))
-        return future.result()
-
-    def forget(self) -> None:
-        """After a fork: the keeper thread was not copied into the child process."""
-        self._lock = threading.Lock()
-        self._jobs = None
-
-    @staticmethod
-    def _serve(jobs: queue.SimpleQueue[_Job]) -> None:
-        while True:
-            start, future = jobs.get()
-            try:
-                future.set_result(start())
-            except BaseException as exc:  # the caller's to raise
-                future.set_exception(exc)
+def _new_starter() -> None:
+    """A fresh starter (also after a fork: the old one's thread was not copied)."""
+    global _STARTER
+    _STARTER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="child-starter")
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-_KEEPER = _Keeper()
-os.register_at_fork(after_in_child=_KEEPER.forget)
+_STARTER: concurrent.futures.ThreadPoolExecutor
+_new_starter()
+os.register_at_fork(after_in_child=_new_starter)

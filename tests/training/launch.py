@@ -25,8 +25,14 @@ TWO_PROCESSES = (
 def accelerate_launch(
     launcher_args: Sequence[str], *args: str, timeout: float = 300, cpu: bool = True
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``accelerate launch LAUNCHER_ARGS ARGS`` (``ARGS``: a script, or ``-m module``)."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", *launcher_args, *args]
+    """Run ``accelerate launch LAUNCHER_ARGS ARGS`` (``ARGS``: a script, or ``-m module``).
+
+    Each launch has the launcher pick a free port for its processes' rendezvous. Its default,
+    29500, is checked and then bound, so two launches started at one moment (the other test
+    worker's) can both find it free and one fails with EADDRINUSE.
+    """
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0")
+    command = [*launcher, *launcher_args, *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""

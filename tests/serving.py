@@ -9,10 +9,21 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 TESTS = Path(__file__).resolve().parent
+
+
+def wait_until(
+    condition: Callable[[], bool], timeout_s: float = 10.0, failure: str = "timed out waiting"
+) -> None:
+    """Poll ``condition`` every 10 ms until it holds; fail with ``failure`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.01)
 
 
 class ServedProcess:

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from fakes import digit_messages
+from serving import wait_until
 
 from agile_llmenvs.backends import HFBackend, SamplingParams, VLLMServerBackend
 from agile_llmenvs.backends.types import Generation
@@ -136,13 +137,6 @@ def in_background(call: Callable[[], Any]) -> threading.Thread:
     thread = threading.Thread(target=call, daemon=True)
     thread.start()
     return thread
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from echo_envs import EchoEnv
 from openenv_native import EchoEnvironment
-from serving import ServedProcess
+from serving import ServedProcess, wait_until
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
@@ -77,10 +77,9 @@ def hang_one_step(server: OpenEnvServer) -> dict[str, Any]:
         reply = ask(ws, {"type": "step", "data": {"message": "hang"}})
         with pytest.raises(ConnectionClosed):
             ws.recv(timeout=5)
-    deadline = time.monotonic() + 10
-    while server.active_sessions:
-        assert time.monotonic() < deadline, "the discarded session's slot was never freed"
-        time.sleep(0.01)
+    wait_until(
+        lambda: server.active_sessions == 0, failure="the discarded session's slot was never freed"
+    )
     return reply
 
 
